@@ -1,0 +1,151 @@
+"""Model architecture description shared by the networks, the loaders and the cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from specpilot.errors import CheckpointError
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
+
+    factor: float
+    """Context extension factor applied to the low frequencies."""
+    low_freq_factor: float
+    """Wavelengths above original_max/low_freq_factor are fully scaled."""
+    high_freq_factor: float
+    """Wavelengths below original_max/high_freq_factor are left alone."""
+    original_max_position_embeddings: int
+    """Context length the model was pretrained with."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A dense decoder-only transformer of the Llama / Qwen2 / Qwen3 families."""
+
+    arch: str
+    """One of ``SUPPORTED_ARCHS``: llama (also SmolLM2), qwen2 (qkv bias), qwen3 (q/k RMSNorm)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    """Grouped-query attention: ``num_heads`` must be a multiple of it."""
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before RoPE (Qwen3)."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise CheckpointError(
+                f"Architecture '{self.arch}' is not supported; SpecPilot runs {', '.join(SUPPORTED_ARCHS)}."
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise CheckpointError(
+                    f"Model config field {name} must be positive, got {getattr(self, name)}."
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})."
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        model_type = str(cfg.get("model_type", "")).lower()
+        if model_type not in SUPPORTED_ARCHS:
+            raise CheckpointError(
+                f"config.json has model_type '{model_type}'; SpecPilot runs {', '.join(SUPPORTED_ARCHS)}."
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+            scaling = None
+            if rs and str(rs.get("rope_type", rs.get("type", ""))) == "llama3":
+                scaling = RopeScaling(
+                    factor=float(rs["factor"]),
+                    low_freq_factor=float(rs["low_freq_factor"]),
+                    high_freq_factor=float(rs["high_freq_factor"]),
+                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                )
+            theta = cfg.get("rope_theta")
+            if theta is None and isinstance(cfg.get("rope_parameters"), dict):
+                theta = cfg["rope_parameters"].get("rope_theta")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                arch=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta if theta is not None else 10000.0),
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                qk_norm=model_type == "qwen3",
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"config.json is missing or has a bad field: {e}.") from None

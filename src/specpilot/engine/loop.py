@@ -1,0 +1,227 @@
+"""The speculative decode loop for a batch of sequences (batch 1 is the fast case today).
+
+Each cycle: the drafter proposes up to k tokens per row; the target runs once on
+``[pending, drafts...]``; ``verify_fn`` finds the accepted prefix and the bonus token; the
+committed tokens are appended, stop conditions are applied (EOS or the length limit may fall
+in the middle of a draft), and the KV cache is committed to the new length (rejected entries
+are simply left behind to be overwritten). With no drafter (k = 0) every cycle is one AR step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specpilot.drafters.base import Drafter, DraftProposal
+from specpilot.engine.stats import AcceptanceStats
+from specpilot.engine.verify import VerifyOutcome, greedy_verify
+from specpilot.errors import PromptTooLongError
+from specpilot.models.kv_cache import KVCache
+from specpilot.models.transformer import Transformer
+
+VerifyFn = Callable[[Tensor, Tensor, Tensor], VerifyOutcome]
+
+
+@dataclass(slots=True)
+class PhaseTimes:
+    """Wall time per phase in seconds (device synchronised at phase ends when timing is on)."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+
+    def total(self) -> float:
+        return self.prefill + self.draft + self.verify + self.commit
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    prompt_ids: list[int]
+    tokens: list[int]  # committed tokens after the prompt, stop token included
+    stop_reason: str  # "eos" | "length"
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+
+
+class SpecEngine:
+    """Greedy speculative decoding; ``drafter=None`` is plain autoregressive decoding."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None = None,
+        verify_fn: VerifyFn = greedy_verify,
+        time_phases: bool = False,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.verify_fn = verify_fn
+        self.time_phases = time_phases
+        self.times = PhaseTimes()
+        self._cache: KVCache | None = None
+
+    @property
+    def k(self) -> int:
+        return 0 if self.drafter is None else self.drafter.k
+
+    def _clock(self) -> float:
+        if self.time_phases and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)
+        return time.perf_counter()
+
+    def _cache_for(self, batch: int, need: int) -> KVCache:
+        cache = self._cache
+        if cache is None or cache.batch_size != batch or cache.max_seq_len < need:
+            cache = self.target.allocate_cache(batch, need)
+            self._cache = cache
+        cache.reset()
+        return cache
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        context = self.target.max_positions
+        if prompt_len == 0:
+            raise PromptTooLongError("The prompt is empty; give at least one token.")
+        if prompt_len + max_new_tokens > context:
+            raise PromptTooLongError(
+                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
+                f"model's context of {context}; shorten the prompt or lower --max-new-tokens."
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_ids: Sequence[int] = (),
+        on_commit: Callable[[int, list[int]], None] | None = None,
+    ) -> list[GenerationResult]:
+        """Decode every prompt until EOS or ``max_new_tokens``; ``on_commit(row, tokens)`` streams."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        for p in prompts:
+            self.check_fits(len(p), max_new_tokens)
+        target, dev = self.target, self.target.device
+        b, k = len(prompts), self.k
+        eos = set(eos_ids)
+        lens = [len(p) for p in prompts]
+        cache = self._cache_for(
+            b, min(max(lens) + max_new_tokens + k + 1, target.max_positions + k + 1)
+        )
+        t0 = self._clock()
+
+        # Prefill: one forward over the padded prompts; the first token is the target's argmax.
+        width = max(lens)
+        padded = torch.zeros(b, width, dtype=torch.int64)
+        for row, p in enumerate(prompts):
+            padded[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
+        last = torch.tensor(lens, dtype=torch.int64, device=dev)[:, None] - 1  # [B, 1]
+        logits = target(padded.to(dev), cache, logits_rows=last).logits  # [B, 1, V]
+        first = logits[:, 0].argmax(dim=-1).tolist()
+        for row, n in enumerate(lens):
+            cache.commit(row, n)
+
+        results = [
+            GenerationResult(prompt_ids=list(p), tokens=[], stop_reason="length") for p in prompts
+        ]
+        contexts = [list(p) for p in prompts]
+        active = [True] * b
+        pending = torch.zeros(b, dtype=torch.int64)
+        for row in range(b):
+            self._append(
+                row,
+                [first[row]],
+                results,
+                contexts,
+                active,
+                pending,
+                eos,
+                max_new_tokens,
+                on_commit,
+            )
+        t1 = self._clock()
+        self.times.prefill += t1 - t0
+        if self.drafter is not None:
+            self.drafter.start(contexts)
+
+        while any(active):
+            t0 = self._clock()
+            # Never draft past the length limit: a row with r tokens left drafts at most r - 1.
+            max_lens = [
+                max_new_tokens - len(r.tokens) - 1 if a else 0
+                for r, a in zip(results, active, strict=True)
+            ]
+            proposal = self._propose(contexts, max_lens, b)
+            t1 = self._clock()
+            lengths = torch.tensor(proposal.lengths, dtype=torch.int64)
+            verify_in = torch.cat(
+                [pending[:, None].to(dev), proposal.tokens.to(dev)], dim=1
+            )  # [B, 1+K]
+            argmax = target(verify_in, cache).logits.argmax(dim=-1)  # [B, 1+K]
+            outcome = self.verify_fn(proposal.tokens.to(dev), lengths.to(dev), argmax)
+            accepted = outcome.accepted_len.tolist()
+            bonus = outcome.bonus.tolist()
+            t2 = self._clock()
+            drafts = proposal.tokens.tolist()
+            for row in range(b):
+                if not active[row]:
+                    continue
+                n = accepted[row]
+                committed = [*drafts[row][:n], bonus[row]]
+                results[row].stats.record(proposal.lengths[row], n, len(committed))
+                # KV of the pending token and the n accepted drafts is now valid.
+                cache.commit(row, int(cache.lengths[row]) + n + 1)
+                self._append(
+                    row,
+                    committed,
+                    results,
+                    contexts,
+                    active,
+                    pending,
+                    eos,
+                    max_new_tokens,
+                    on_commit,
+                )
+            t3 = self._clock()
+            self.times.draft += t1 - t0
+            self.times.verify += t2 - t1
+            self.times.commit += t3 - t2
+        return results
+
+    def _propose(self, contexts: list[list[int]], max_lens: list[int], b: int) -> DraftProposal:
+        if self.drafter is None or max(max_lens) <= 0:
+            return DraftProposal(tokens=torch.zeros(b, 0, dtype=torch.int64), lengths=[0] * b)
+        return self.drafter.propose(contexts, max_lens)
+
+    @staticmethod
+    def _append(
+        row: int,
+        committed: list[int],
+        results: list[GenerationResult],
+        contexts: list[list[int]],
+        active: list[bool],
+        pending: Tensor,
+        eos: set[int],
+        max_new_tokens: int,
+        on_commit: Callable[[int, list[int]], None] | None,
+    ) -> None:
+        """Append committed tokens to a row, cutting at the first EOS or at the length limit."""
+        res = results[row]
+        room = max_new_tokens - len(res.tokens)
+        keep = committed[:room]
+        for i, tok in enumerate(keep):
+            if tok in eos:
+                keep = keep[: i + 1]
+                res.stop_reason = "eos"
+                active[row] = False
+                break
+        res.tokens.extend(keep)
+        contexts[row].extend(keep)
+        if len(res.tokens) >= max_new_tokens:
+            active[row] = False
+        pending[row] = keep[-1]
+        if on_commit is not None and keep:
+            on_commit(row, keep)

@@ -1,0 +1,60 @@
+"""Preallocated static KV cache for a batch of sequences of different lengths.
+
+Rollback is by position: entries past a sequence's committed length are stale and are simply
+overwritten by the next forward, which always writes a contiguous run of positions starting at
+the committed length. Because attention masks keys by position (key_pos <= query_pos), a stale
+entry is never read: every key at or below a query's position was either committed earlier or
+written in the same forward. So rollback costs nothing and needs no copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from specpilot.config import ModelConfig
+
+
+@dataclass(slots=True)
+class KVCache:
+    """Keys and values of every layer, plus the committed length of each sequence."""
+
+    k: list[Tensor]  # per layer [B, H_kv, S_max, D] (the layout attention reads)
+    v: list[Tensor]  # per layer [B, H_kv, S_max, D]
+    lengths: Tensor  # [B] int64 on the host: committed (valid) KV entries per sequence
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_seq_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        shape = (batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        return cls(k=k, v=v, lengths=torch.zeros(batch_size, dtype=torch.int64))
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def commit(self, row: int, length: int) -> None:
+        """Declare the first ``length`` entries of ``row`` valid (grows or rolls back)."""
+        if not 0 <= length <= self.max_seq_len:
+            raise ValueError(f"length {length} outside the cache (0..{self.max_seq_len})")
+        self.lengths[row] = length
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
