@@ -1,0 +1,43 @@
+"""The ``specpilot`` command line: one subcommand per module in ``specpilot.commands``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from specpilot import __version__
+from specpilot.commands import bench, generate, models, verify
+from specpilot.errors import SpecPilotError
+
+COMMANDS = {"generate": generate, "bench": bench, "verify": verify, "models": models}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specpilot",
+        description="Lossless greedy speculative decoding, measured against plain AR and token-forced.",
+    )
+    parser.add_argument("--version", action="version", version=f"specpilot {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}"
+    )
+    for module in COMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except SpecPilotError as e:
+        print(f"specpilot: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specpilot: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

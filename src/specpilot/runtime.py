@@ -1,0 +1,114 @@
+"""Turn what a user names (model spec, dtype, device, drafter) into ready objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specpilot.drafters import DRAFTERS, Drafter, make_drafter
+from specpilot.errors import IncompatibleDrafterError, SpecPilotError
+from specpilot.loading import TextTokenizer, load_checkpoint, load_tokenizer, resolve_model
+from specpilot.models.transformer import Transformer
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+DEFAULT_MAX_CONTEXT = 8192
+"""RoPE table and context cap unless the user asks for more (the model's own limit still applies)."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise SpecPilotError(f"Unknown dtype '{name}'; choose fp32, bf16 or fp16.") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def parse_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecPilotError(
+            "--device cuda was asked for but no CUDA GPU is visible; use --device cpu."
+        )
+    return dev
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    spec: str
+    model: Transformer
+    tokenizer: TextTokenizer | None
+
+
+def load_model(
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    max_context: int = DEFAULT_MAX_CONTEXT,
+    with_tokenizer: bool = True,
+) -> LoadedModel:
+    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`."""
+    cfg, tensors = load_checkpoint(spec)
+    model = Transformer(
+        cfg, dtype=dtype, device=device, max_positions=min(cfg.max_position_embeddings, max_context)
+    )
+    model.load_hf_state_dict(tensors)
+    del tensors
+    tokenizer = load_tokenizer(resolve_model(spec)) if with_tokenizer else None
+    return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+def build_drafter(
+    name: str | None,
+    target: LoadedModel,
+    k: int,
+    draft_model: LoadedModel | None = None,
+    knobs: dict[str, Any] | None = None,
+) -> Drafter | None:
+    """The drafter named ``name`` for ``target`` (None or "none": plain AR decoding)."""
+    if name in (None, "none") or k == 0:
+        return None
+    if name not in DRAFTERS:
+        raise SpecPilotError(
+            f"Unknown drafter '{name}'; choose one of none, {', '.join(sorted(DRAFTERS))}."
+        )
+    knobs = dict(knobs or {})
+    if name == "draft-model":
+        if draft_model is None:
+            raise SpecPilotError(
+                "The draft-model drafter needs --draft-model (a smaller model with the same tokenizer)."
+            )
+        check_same_vocabulary(target, draft_model)
+        return make_drafter(
+            name, model=draft_model.model, k=k, target_vocab_size=target.model.cfg.vocab_size
+        )
+    return make_drafter(name, k=k, device=target.model.device, **knobs)
+
+
+def check_same_vocabulary(target: LoadedModel, drafter: LoadedModel) -> None:
+    """Refuse a drafter whose tokenizer maps text to other ids than the target's."""
+    tv, dv = target.model.cfg.vocab_size, drafter.model.cfg.vocab_size
+    if tv != dv:
+        raise IncompatibleDrafterError(
+            f"The drafter {drafter.spec} has a vocabulary of {dv} tokens and the target {target.spec} "
+            f"one of {tv}; a draft model must share the target's tokenizer."
+        )
+    tt, dt = target.tokenizer, drafter.tokenizer
+    if tt is not None and dt is not None and tt.vocab() != dt.vocab():
+        raise IncompatibleDrafterError(
+            f"The drafter {drafter.spec} and the target {target.spec} have vocabularies of the same "
+            "size but different tokens; a draft model must share the target's tokenizer."
+        )
