@@ -43,8 +43,21 @@ def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
 def test_generate_json_records_and_verify(model_dir, tmp_path, capsys):
     recs = tmp_path / "runs.jsonl"
     code, out, _ = run_cli(
-        capsys, "generate", "hello world hello world hello", "--raw", "--target", str(model_dir),
-        "--max-new-tokens", "24", "-k", "4", "--device", "cpu", "--json", "--out", str(recs),
+        capsys,
+        "generate",
+        "hello world hello world hello",
+        "--raw",
+        "--target",
+        str(model_dir),
+        "--max-new-tokens",
+        "24",
+        "-k",
+        "4",
+        "--device",
+        "cpu",
+        "--json",
+        "--out",
+        str(recs),
     )
     assert code == 0
     result = json.loads(out)
@@ -67,40 +80,86 @@ def test_generate_json_records_and_verify(model_dir, tmp_path, capsys):
 
 
 def test_bad_inputs_give_one_clear_sentence(model_dir, tmp_path, capsys):
-    code, _, err = run_cli(capsys, "generate", "--target", str(tmp_path / "nope"), "--device", "cpu")
+    code, _, err = run_cli(
+        capsys, "generate", "--target", str(tmp_path / "nope"), "--device", "cpu"
+    )
     assert_one_line_error(code, err, "nope")
 
-    code, _, err = run_cli(capsys, "generate", "--target", str(model_dir), "--drafter", "draft-model", "--device", "cpu")
+    code, _, err = run_cli(
+        capsys,
+        "generate",
+        "--target",
+        str(model_dir),
+        "--drafter",
+        "draft-model",
+        "--device",
+        "cpu",
+    )
     assert_one_line_error(code, err, "--draft-model")
 
     other = tiny_dir(tmp_path / "other", vocab=12)
     code, _, err = run_cli(
-        capsys, "generate", "hi", "--target", str(model_dir), "--drafter", "draft-model",
-        "--draft-model", str(other), "--device", "cpu",
+        capsys,
+        "generate",
+        "hi",
+        "--target",
+        str(model_dir),
+        "--drafter",
+        "draft-model",
+        "--draft-model",
+        str(other),
+        "--device",
+        "cpu",
     )
     assert_one_line_error(code, err, "vocabulary")
 
     code, _, err = run_cli(
-        capsys, "generate", " ".join(["hello"] * 300), "--raw", "--target", str(model_dir), "--device", "cpu"
+        capsys,
+        "generate",
+        " ".join(["hello"] * 300),
+        "--raw",
+        "--target",
+        str(model_dir),
+        "--device",
+        "cpu",
     )
     assert_one_line_error(code, err, "context")
 
     msgs = tmp_path / "m.json"
     msgs.write_text("{not json")
-    code, _, err = run_cli(capsys, "generate", "--messages", str(msgs), "--target", str(model_dir), "--device", "cpu")
+    code, _, err = run_cli(
+        capsys, "generate", "--messages", str(msgs), "--target", str(model_dir), "--device", "cpu"
+    )
     assert_one_line_error(code, err, "--messages")
 
     code, _, err = run_cli(capsys, "verify", str(tmp_path / "missing.jsonl"))
     assert_one_line_error(code, err, "does not exist")
 
-    code, _, err = run_cli(capsys, "generate", "--target", str(model_dir), "--dtype", "fp8", "--device", "cpu")
+    code, _, err = run_cli(
+        capsys, "generate", "--target", str(model_dir), "--dtype", "fp8", "--device", "cpu"
+    )
     assert_one_line_error(code, err, "dtype")
 
 
 def test_draft_model_drafter_through_the_cli(model_dir, capsys):
     code, out, _ = run_cli(
-        capsys, "generate", "hello world", "--raw", "--target", str(model_dir), "--drafter", "draft-model",
-        "--draft-model", str(model_dir), "-k", "3", "--max-new-tokens", "20", "--device", "cpu", "--json",
+        capsys,
+        "generate",
+        "hello world",
+        "--raw",
+        "--target",
+        str(model_dir),
+        "--drafter",
+        "draft-model",
+        "--draft-model",
+        str(model_dir),
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "20",
+        "--device",
+        "cpu",
+        "--json",
     )
     assert code == 0
     r = json.loads(out)

@@ -17,15 +17,15 @@ class AcceptsOneWrongToken:
     def __init__(self) -> None:
         self.fired = False
 
-    def __call__(self, draft: torch.Tensor, lens: torch.Tensor, argmax: torch.Tensor) -> VerifyOutcome:
+    def __call__(
+        self, draft: torch.Tensor, lens: torch.Tensor, argmax: torch.Tensor
+    ) -> VerifyOutcome:
         out = greedy_verify(draft, lens, argmax)
         n = int(out.accepted_len[0])
         if not self.fired and n < int(lens[0]):
             self.fired = True
             n += 1  # d_{n+1} != a_n, accepted anyway
-            return VerifyOutcome(
-                accepted_len=torch.tensor([n]), bonus=argmax[:, n]
-            )
+            return VerifyOutcome(accepted_len=torch.tensor([n]), bonus=argmax[:, n])
         return out
 
 
@@ -35,7 +35,9 @@ def test_fault_injected_engine_is_caught(seed):
     target, draft = tiny_model(cfg, seed), tiny_model(cfg, seed + 50)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     faulty = AcceptsOneWrongToken()
-    bad = SpecEngine(target, DraftModelDrafter(draft, k=4), verify_fn=faulty).generate([prompt], 40)[0]
+    bad = SpecEngine(target, DraftModelDrafter(draft, k=4), verify_fn=faulty).generate(
+        [prompt], 40
+    )[0]
     assert faulty.fired
     good = SpecEngine(target).generate([prompt], 40)[0]
     assert bad.tokens != good.tokens
@@ -44,11 +46,16 @@ def test_fault_injected_engine_is_caught(seed):
     seq_id, first = report.first_mismatch()
     assert seq_id == "bad"
     # the first mismatch is exactly where the faulty verifier let a wrong token through
-    diverge = next(i for i, (a, b) in enumerate(zip(bad.tokens, good.tokens, strict=False)) if a != b)
+    diverge = next(
+        i for i, (a, b) in enumerate(zip(bad.tokens, good.tokens, strict=False)) if a != b
+    )
     assert first.position == diverge and first.token == bad.tokens[diverge]
     assert first.top5[0][0] == good.tokens[diverge]
     assert len(first.top5) == 5 and first.top5[0][1] >= first.top5[-1][1]
-    assert first.context_ids == (prompt + bad.tokens)[max(0, len(prompt) + diverge - 24) : len(prompt) + diverge]
+    assert (
+        first.context_ids
+        == (prompt + bad.tokens)[max(0, len(prompt) + diverge - 24) : len(prompt) + diverge]
+    )
     assert report.sequences[1].ok
 
 
@@ -58,7 +65,9 @@ def test_near_tie_is_counted_not_failed():
     prompt = [4, 5, 6]
     a = SpecEngine(target).generate([prompt], 6)[0].tokens[2]  # argmax at position 2
     r = cfg.vocab_size - 1 if a != cfg.vocab_size - 1 else cfg.vocab_size - 2
-    with torch.no_grad():  # an exact logit tie between a and r everywhere; argmax keeps the lower id
+    with (
+        torch.no_grad()
+    ):  # an exact logit tie between a and r everywhere; argmax keeps the lower id
         target.lm_head[r] = target.lm_head[a]
     tokens = SpecEngine(target).generate([prompt], 6)[0].tokens
     assert tokens[2] == min(a, r)
@@ -67,7 +76,11 @@ def test_near_tie_is_counted_not_failed():
     assert report.near_ties == 1 and report.mismatches == 0 and report.ok
     assert report.sequences[0].max_near_tie_gap == 0.0
     # a token with a real gap is a mismatch
-    worst = int(target(torch.tensor([prompt + tokens[:2]]), target.allocate_cache(1, 8)).logits[0, -1].argmin())
+    worst = int(
+        target(torch.tensor([prompt + tokens[:2]]), target.allocate_cache(1, 8))
+        .logits[0, -1]
+        .argmin()
+    )
     report = force_tokens(target, [("gap", prompt, [*tokens[:2], worst])])
     assert report.mismatches == 1 and not report.ok
 

@@ -43,10 +43,22 @@ def test_stock_path_equals_transformers_greedy(smollm2):
 
 def test_bench_copy_heavy_is_token_forcing_clean(tmp_path: Path, capsys):
     out = tmp_path / "bench.jsonl"
-    code = main([
-        "bench", "--prompts", "copy-heavy", "--limit", "3", "--max-new-tokens", "48",
-        "--device", "cpu", "--json", "--out", str(out),
-    ])
+    code = main(
+        [
+            "bench",
+            "--prompts",
+            "copy-heavy",
+            "--limit",
+            "3",
+            "--max-new-tokens",
+            "48",
+            "--device",
+            "cpu",
+            "--json",
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0
     assert result["forcing"]["mismatches"] == 0 and result["forcing"]["near_ties"] == 0
