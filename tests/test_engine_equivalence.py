@@ -59,6 +59,21 @@ def test_spec_equals_ar_all_drafters(cfg_kw, seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_cpu_gemv_copies_change_no_token(seed):
+    """With [in, out] copies for one-row products, AR and speculative outputs stay the same."""
+    rng = random.Random(seed)
+    cfg = tiny_config(arch="qwen2", vocab=79, tie=True)
+    plain, fast = tiny_model(cfg, seed), tiny_model(cfg, seed)
+    fast.add_gemv_copies()
+    prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(1, 30)) for _ in range(2)]
+    want = ar_tokens(plain, prompts, 40, [])
+    assert ar_tokens(fast, prompts, 40, []) == want
+    for drafter in (NgramDrafter(k=5), DraftModelDrafter(fast, k=3)):
+        got = [r.tokens for r in SpecEngine(fast, drafter).generate(prompts, 40)]
+        assert got == want
+
+
+@pytest.mark.parametrize("seed", range(3))
 def test_perfect_drafter_eos_and_length_inside_a_draft(seed):
     """The target drafting for itself accepts everything, so stops fall inside drafts."""
     cfg = tiny_config(vocab=71)

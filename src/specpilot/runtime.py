@@ -67,6 +67,8 @@ def load_model(
     )
     model.load_hf_state_dict(tensors)
     del tensors
+    if model.device.type == "cpu":
+        model.add_gemv_copies()
     tokenizer = load_tokenizer(resolve_model(spec)) if with_tokenizer else None
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
