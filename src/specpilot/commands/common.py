@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from specpilot.drafters.base import Drafter
 from specpilot.engine import SpecEngine
+from specpilot.engine.build import EngineBuild, build_engine
+from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.runtime import (
     DEFAULT_MAX_CONTEXT,
     LoadedModel,
-    build_drafter,
     dtype_name,
-    load_model,
     parse_device,
     parse_dtype,
 )
@@ -24,6 +24,12 @@ DEFAULT_TARGET = "smollm2-135m"
 
 def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") -> None:
     g = p.add_argument_group("deployment")
+    g.add_argument(
+        "--engine",
+        type=Path,
+        default=None,
+        help="engine config JSON (as written by tune); overrides the flags below",
+    )
     g.add_argument(
         "--target",
         default=DEFAULT_TARGET,
@@ -81,11 +87,20 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
 
 @dataclass(slots=True)
 class Deployment:
-    target: LoadedModel
-    drafter: Drafter | None
-    drafter_name: str
+    build: EngineBuild
     dtype: torch.dtype
     device: torch.device
+
+    @property
+    def target(self) -> LoadedModel:
+        return self.build.target
+
+    @property
+    def drafter_name(self) -> str:
+        cfg = self.build.config
+        if self.build.drafter is None:
+            return "none"
+        return f"{cfg.deployment.drafter}(k={cfg.k})"
 
     def meta(self) -> dict[str, str]:
         return {
@@ -97,7 +112,7 @@ class Deployment:
 
     def engines(self) -> tuple[SpecEngine, SpecEngine]:
         """(stock AR engine, speculative engine) over the same target weights."""
-        return SpecEngine(self.target.model), SpecEngine(self.target.model, self.drafter)
+        return self.build.stock_engine(), self.build.engine()
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -105,16 +120,26 @@ class Deployment:
         return tok.eos_token_ids if tok is not None else self.target.model.cfg.eos_token_ids
 
 
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The engine config: ``--engine FILE`` if given, else one made from the flags."""
+    if getattr(args, "engine", None) is not None:
+        return EngineConfig.load(args.engine)
+    k = args.k if args.k is not None else (4 if args.drafter == "draft-model" else 8)
+    knobs = {"max_n": args.ngram_max, "min_n": args.ngram_min} if args.drafter == "ngram" else {}
+    dep = DeploymentSpec(
+        target=args.target,
+        drafter=args.drafter,
+        draft_model=args.draft_model,
+        dtype=args.dtype,
+        device=args.device,
+    )
+    return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
+
+
 def build_deployment(args: argparse.Namespace) -> Deployment:
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype, device = parse_dtype(args.dtype), parse_device(args.device)
-    target = load_model(args.target, dtype, device, args.max_context)
-    draft = (
-        load_model(args.draft_model, dtype, device, args.max_context) if args.draft_model else None
-    )
-    k = args.k if args.k is not None else (4 if args.drafter == "draft-model" else 8)
-    knobs = {"max_n": args.ngram_max, "min_n": args.ngram_min} if args.drafter == "ngram" else {}
-    drafter = build_drafter(args.drafter, target, k, draft, knobs)
-    name = "none" if drafter is None else f"{args.drafter}(k={k})"
-    return Deployment(target=target, drafter=drafter, drafter_name=name, dtype=dtype, device=device)
+    config = config_from_args(args)
+    build = build_engine(config, args.max_context)
+    dep = config.deployment
+    return Deployment(build=build, dtype=parse_dtype(dep.dtype), device=parse_device(dep.device))

@@ -119,8 +119,7 @@ class SpecEngine:
         for row, p in enumerate(prompts):
             padded[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
         last = torch.tensor(lens, dtype=torch.int64, device=dev)[:, None] - 1  # [B, 1]
-        logits = target(padded.to(dev), cache, logits_rows=last).logits  # [B, 1, V]
-        first = logits[:, 0].argmax(dim=-1).tolist()
+        first = target.forward_argmax(padded.to(dev), cache, logits_rows=last)[:, 0].tolist()
         for row, n in enumerate(lens):
             cache.commit(row, n)
 
@@ -160,7 +159,7 @@ class SpecEngine:
             verify_in = torch.cat(
                 [pending[:, None].to(dev), proposal.tokens.to(dev)], dim=1
             )  # [B, 1+K]
-            argmax = target(verify_in, cache).logits.argmax(dim=-1)  # [B, 1+K]
+            argmax = target.forward_argmax(verify_in, cache)  # [B, 1+K]
             outcome = self.verify_fn(proposal.tokens.to(dev), lengths.to(dev), argmax)
             accepted = outcome.accepted_len.tolist()
             bonus = outcome.bonus.tolist()

@@ -8,7 +8,7 @@ tree mask), and returns logits only for the rows the caller asks for.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -143,6 +143,9 @@ class Transformer(nn.Module):
             )
         )
         self.lm_head_in_out: Tensor | None = None
+        # Plug point "lm_head_argmax": final-normed hidden [B, R, hidden] -> token ids [B, R].
+        # It must return exactly the argmax of ``forward``'s logits (lowest id on ties).
+        self.argmax_head: Callable[[Tensor], Tensor] | None = None
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings, dev)
         self.rope_cos: Tensor = cos  # [P, D] float32 (plain attributes: never saved or cast)
         self.rope_sin: Tensor = sin
@@ -255,8 +258,41 @@ class Transformer(nn.Module):
     ) -> ForwardOutput:
         """Write K/V of ``tokens`` at slots ``cache.lengths[b] + t`` and return their logits.
 
+        This is the stock computation that token forcing trusts; mechanisms never alter it (a
+        weight format they install must reproduce the weights bit for bit).
         ``cache.lengths`` is not changed: the caller commits what it accepts.
         """
+        x, hidden = self._final_hidden(
+            tokens, cache, positions, tree_mask, logits_rows, hidden_layers
+        )
+        return ForwardOutput(
+            logits=project(x, self.lm_head, None, self.lm_head_in_out), hidden=hidden
+        )
+
+    def forward_argmax(
+        self,
+        tokens: Tensor,  # [B, T] int64
+        cache: KVCache,
+        positions: Tensor | None = None,
+        tree_mask: Tensor | None = None,
+        logits_rows: Tensor | None = None,  # [B, R]
+    ) -> Tensor:  # [B, R] int64: the greedy token after each requested row
+        """Like :meth:`forward`, but only the argmax; ``argmax_head`` may compute it faster."""
+        x, _ = self._final_hidden(tokens, cache, positions, tree_mask, logits_rows, ())
+        if self.argmax_head is not None:
+            return self.argmax_head(x)
+        return project(x, self.lm_head, None, self.lm_head_in_out).argmax(dim=-1)
+
+    def _final_hidden(
+        self,
+        tokens: Tensor,
+        cache: KVCache,
+        positions: Tensor | None,
+        tree_mask: Tensor | None,
+        logits_rows: Tensor | None,
+        hidden_layers: Sequence[int],
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Final-normed hidden states ``[B, R, hidden]`` and the requested layers' outputs."""
         b, t = tokens.shape
         dev = tokens.device
         lengths = cache.lengths  # host
@@ -295,10 +331,7 @@ class Transformer(nn.Module):
                 hidden[i] = x
         if logits_rows is not None:
             x = x.gather(1, logits_rows[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, R, hidden]
-        x = rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
-        return ForwardOutput(
-            logits=project(x, self.lm_head, None, self.lm_head_in_out), hidden=hidden
-        )
+        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), hidden
 
     @staticmethod
     def _mask(start: Tensor, t: int, attn_len: int, tree_mask: Tensor | None) -> Tensor:

@@ -1,0 +1,65 @@
+"""Compose an engine from an :class:`EngineConfig`: load, build the drafter, apply mechanisms.
+
+The core never names a mechanism: each enabled one receives this build and changes it through
+the plug points it declared (the target's ``argmax_head``, ``verify_fn``, the drafter, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpilot.drafters.base import Drafter
+from specpilot.engine.config import EngineConfig
+from specpilot.engine.loop import SpecEngine, VerifyFn
+from specpilot.engine.verify import greedy_verify
+from specpilot.errors import SpecPilotError
+from specpilot.runtime import LoadedModel, build_drafter, load_model, parse_device, parse_dtype
+
+
+@dataclass(slots=True)
+class EngineBuild:
+    """An engine under construction; mechanisms edit it before ``engine()`` is called."""
+
+    config: EngineConfig
+    target: LoadedModel
+    draft_model: LoadedModel | None
+    drafter: Drafter | None
+    verify_fn: VerifyFn = greedy_verify
+    notes: list[str] = field(default_factory=list)
+    """What each mechanism did, for reports."""
+
+    def engine(self) -> SpecEngine:
+        return SpecEngine(self.target.model, self.drafter, verify_fn=self.verify_fn)
+
+    def stock_engine(self) -> SpecEngine:
+        """Plain AR over the same weights: the baseline for speedups."""
+        return SpecEngine(self.target.model)
+
+
+def build_engine(
+    config: EngineConfig, max_context: int = 8192, target: LoadedModel | None = None
+) -> EngineBuild:
+    """Load (or reuse ``target``), build the drafter, and apply every enabled mechanism in order."""
+    from specpilot.mechanisms import MECHANISMS
+
+    dep = config.deployment
+    dtype, device = parse_dtype(dep.dtype), parse_device(dep.device)
+    if target is None:
+        target = load_model(dep.target, dtype, device, max_context)
+    draft = load_model(dep.draft_model, dtype, device, max_context) if dep.draft_model else None
+    drafter = build_drafter(dep.drafter, target, config.k, draft, config.drafter_knobs)
+    build = EngineBuild(config=config, target=target, draft_model=draft, drafter=drafter)
+    cfg = target.model.cfg
+    drafter_name = dep.drafter if drafter is not None else "none"
+    for name, given in config.mechanisms.items():
+        mech = MECHANISMS[name]
+        if not mech.applies.allows(device.type, dep.dtype, drafter_name, dep.mode, cfg.arch):
+            raise SpecPilotError(
+                f"Mechanism '{name}' does not apply to this deployment "
+                f"({device.type}, {dep.dtype}, drafter {drafter_name}, {dep.mode}, {cfg.arch})."
+            )
+        knobs: dict[str, Any] = mech.resolve_knobs(given)
+        mech.apply(build, knobs)
+        build.notes.append(f"{name} {knobs}")
+    return build

@@ -1,0 +1,90 @@
+"""The engine config: a deployment plus the mechanisms enabled on it, as JSON.
+
+``tune`` writes it; ``generate``, ``bench`` (and later ``compare`` and ``serve``) read it with
+``--engine tuned.json``. Mechanism names and knobs are validated against the registry on load,
+so a config that names an unknown mechanism or an out-of-range knob fails with one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specpilot.errors import SpecPilotError
+
+MODES = ("single", "batched")
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentSpec:
+    target: str
+    """Known model name, HF directory or .gguf file."""
+    drafter: str = "ngram"
+    """``none``, ``ngram`` or ``draft-model``."""
+    draft_model: str | None = None
+    dtype: str = "fp32"
+    device: str = "auto"
+    mode: str = "single"
+    """``single`` (one request at a time) or ``batched``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise SpecPilotError(
+                f"Deployment mode must be one of {', '.join(MODES)}, got '{self.mode}'."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    deployment: DeploymentSpec
+    k: int = 8
+    """Tokens drafted per cycle (0 = plain AR)."""
+    drafter_knobs: dict[str, Any] = field(default_factory=dict)
+    """Drafter-specific knobs, e.g. ``{"max_n": 3, "min_n": 1}`` for ngram."""
+    mechanisms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Enabled mechanisms by registry name, each with its knob values (defaults filled in)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise SpecPilotError(f"k must be at least 0, got {self.k}.")
+        from specpilot.mechanisms import MECHANISMS
+
+        for name, knobs in self.mechanisms.items():
+            if name not in MECHANISMS:
+                raise SpecPilotError(
+                    f"Engine config names mechanism '{name}', which is not registered "
+                    f"(registered: {', '.join(sorted(MECHANISMS)) or 'none'})."
+                )
+            try:
+                MECHANISMS[name].resolve_knobs(knobs)
+            except ValueError as e:
+                raise SpecPilotError(f"Engine config: {e}.") from None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def save(self, path: Path) -> None:
+        path.write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        try:
+            dep = DeploymentSpec(**d["deployment"])
+            return cls(
+                deployment=dep,
+                k=int(d.get("k", 8)),
+                drafter_knobs=dict(d.get("drafter_knobs", {})),
+                mechanisms={str(n): dict(v) for n, v in d.get("mechanisms", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecPilotError(f"Engine config is malformed ({e}).") from None
+
+    @classmethod
+    def load(cls, path: Path) -> EngineConfig:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SpecPilotError(f"Cannot read engine config {path} ({e}).") from None
+        return cls.from_dict(data)

@@ -1,0 +1,16 @@
+"""Lossless mechanisms, each registered once by name (see ``registry.py`` for what they declare).
+
+To add one: write ``mechanisms/<name>.py`` exposing ``MECHANISM = Mechanism(...)`` and add it to
+the tuple below. Nothing else in the engine names it.
+"""
+
+from __future__ import annotations
+
+from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
+
+_ALL: tuple[Mechanism, ...] = ()
+
+MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
+"""Name → mechanism; built once at import, never mutated."""
+
+__all__ = ["COMPONENTS", "MECHANISMS", "PLUG_POINTS", "Applicability", "Knob", "Mechanism"]

@@ -1,0 +1,123 @@
+"""What a lossless mechanism declares, once, so that the tuner can search it and the engine can
+compose it without knowing it by name.
+
+A mechanism plugs into one declared point of the engine (``PLUG_POINTS``), attacks one cost-model
+component (``COMPONENTS``), applies only where it is known to be lossless and worthwhile
+(``Applicability``), exposes knobs with ranges (``Knob``), and states in words why it cannot change
+a committed token (``lossless``). ``apply`` receives the engine being built and the knob values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specpilot.engine.build import EngineBuild
+
+COMPONENTS = (
+    "embedding",
+    "attn_proj",
+    "attn_kv",
+    "mlp",
+    "lm_head",
+    "argmax",
+    "draft",
+    "verify",
+    "accept_commit",
+    "overhead",
+)
+"""Cost-model components (see the costmodel package); a mechanism names the one it attacks."""
+
+PLUG_POINTS = (
+    "linear_weights",  # the format and kernels of the target's linear layers
+    "lm_head_argmax",  # how the argmax over the vocabulary is obtained
+    "verify_strategy",  # chain or tree verification
+    "drafter_schedule",  # how many tokens to draft, and when
+    "kernel_choice",  # kernels and layouts with identical results per token
+    "runtime",  # launch overhead: CUDA graphs, compilation
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One searchable parameter of a mechanism."""
+
+    name: str
+    default: Any
+    low: float | None = None
+    """Inclusive lower bound for int/float knobs."""
+    high: float | None = None
+    """Inclusive upper bound for int/float knobs."""
+    choices: tuple[Any, ...] = ()
+    """Allowed values for categorical knobs (empty for numeric ones)."""
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if self.choices and self.default not in self.choices:
+            raise ValueError(f"knob {self.name}: default {self.default!r} not in {self.choices}")
+        if not self.choices and (self.low is None or self.high is None):
+            raise ValueError(f"knob {self.name}: numeric knobs need low and high")
+
+    def validate(self, value: Any) -> Any:
+        if self.choices:
+            if value not in self.choices:
+                raise ValueError(f"knob {self.name} must be one of {self.choices}, got {value!r}")
+            return value
+        assert self.low is not None and self.high is not None
+        if not self.low <= value <= self.high:
+            raise ValueError(
+                f"knob {self.name} must be in [{self.low}, {self.high}], got {value!r}"
+            )
+        return type(self.default)(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Applicability:
+    """Where a mechanism may be enabled (every field: allowed values; empty tuple = any)."""
+
+    devices: tuple[str, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    drafters: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ()
+    archs: tuple[str, ...] = ()
+
+    def allows(self, device: str, dtype: str, drafter: str, mode: str, arch: str) -> bool:
+        pairs = (
+            (self.devices, device),
+            (self.dtypes, dtype),
+            (self.drafters, drafter),
+            (self.modes, mode),
+            (self.archs, arch),
+        )
+        return all(not allowed or value in allowed for allowed, value in pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class Mechanism:
+    name: str
+    component: str
+    plug_point: str
+    lossless: str
+    """Why enabling it cannot change a committed token (beyond documented near-ties)."""
+    apply: Callable[[EngineBuild, Mapping[str, Any]], None]
+    knobs: tuple[Knob, ...] = ()
+    applies: Applicability = field(default_factory=Applicability)
+    summary: str = ""
+
+    def __post_init__(self) -> None:
+        if self.component not in COMPONENTS:
+            raise ValueError(f"mechanism {self.name}: unknown component {self.component!r}")
+        if self.plug_point not in PLUG_POINTS:
+            raise ValueError(f"mechanism {self.name}: unknown plug point {self.plug_point!r}")
+
+    def resolve_knobs(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults filled in, every value validated; unknown knob names are an error."""
+        known = {k.name: k for k in self.knobs}
+        extra = set(given) - set(known)
+        if extra:
+            raise ValueError(
+                f"mechanism {self.name} has no knob(s) {sorted(extra)}; it has {sorted(known)}"
+            )
+        return {name: knob.validate(given.get(name, knob.default)) for name, knob in known.items()}
