@@ -72,3 +72,25 @@ def test_readme_generate_command(capsys):
     out = capsys.readouterr().out
     assert code == 0
     assert "token forcing PASS" in out and "speedup" in out and "identical to AR" in out
+
+
+def test_cached_gguf_tokenizer_equals_fresh_conversion(tmp_path: Path, monkeypatch):
+    from specpilot.loading import load_tokenizer, resolve_model
+
+    gguf = resolve_model("smollm2-135m")
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    fresh = load_tokenizer(gguf)  # converted from the GGUF, then saved under tmp_path
+    assert any((tmp_path / "tokenizers").iterdir())
+    cached = load_tokenizer(gguf)  # read back from the saved files
+    messages = [
+        {
+            "role": "user",
+            "content": "Rename `lst` to `items`:\n\ndef f(lst):\n    return lst[0]  # ünïcode",
+        }
+    ]
+    assert cached.apply_chat_template(messages) == fresh.apply_chat_template(messages)
+    assert cached.eos_token_ids == fresh.eos_token_ids and cached.vocab() == fresh.vocab()
+    ids = fresh.encode("Hello, world! 123 ünïcode\n\ttabs")
+    assert cached.encode("Hello, world! 123 ünïcode\n\ttabs") == ids and cached.decode(
+        ids
+    ) == fresh.decode(ids)

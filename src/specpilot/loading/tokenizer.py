@@ -14,11 +14,13 @@ command (generate, bench, serve) feeds the target the same prompt:
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from specpilot.errors import CheckpointError
+from specpilot.loading.fetch import cache_dir
 
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Turn-end markers of common chat templates; one counts as EOS when the template writes it."""
@@ -109,6 +111,28 @@ def _generation_eos(root: Path) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else []
 
 
+def _gguf_tokenizer(path: Path) -> Any:
+    """The tokenizer embedded in a GGUF, converted once and then read from the cache.
+
+    transformers rebuilds a GGUF's tokenizer from its vocabulary and merges (seconds for a 49k
+    vocabulary); the converted files are keyed by the GGUF's name, size and mtime.
+    """
+    from transformers import AutoTokenizer
+
+    stat = path.stat()
+    saved = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (saved / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = saved.with_name(saved.name + f".part{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        tmp.replace(saved)
+    except OSError:
+        pass  # a read-only cache only costs the conversion next time
+    return tok
+
+
 def load_tokenizer(path: str | Path) -> TextTokenizer:
     """Load the tokenizer of a HF model directory or of a ``.gguf`` file (which embeds one)."""
     from transformers import AutoTokenizer
@@ -116,8 +140,7 @@ def load_tokenizer(path: str | Path) -> TextTokenizer:
     path = Path(path).expanduser()
     try:
         if path.is_file() and path.suffix.lower() == ".gguf":
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            return TextTokenizer(tok, path.stem)
+            return TextTokenizer(_gguf_tokenizer(path), path.stem)
         if path.is_dir():
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             return TextTokenizer(tok, path.name, _generation_eos(path))
