@@ -94,3 +94,23 @@ def test_cached_gguf_tokenizer_equals_fresh_conversion(tmp_path: Path, monkeypat
     assert cached.encode("Hello, world! 123 ünïcode\n\ttabs") == ids and cached.decode(
         ids
     ) == fresh.decode(ids)
+
+
+def test_server_chat_equals_offline_engine(smollm2):
+    """SmolLM2 behind the server: the openai client gets what the offline engine generates."""
+    import openai
+
+    from specpilot.cli import build_parser
+    from specpilot.commands.serve import build_app
+    from test_serve import RunningServer, free_port
+
+    args = build_parser().parse_args(["serve", "--device", "cpu"])
+    app = build_app(args)
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    ids = smollm2.tokenizer.apply_chat_template(messages)
+    want = SpecEngine(smollm2.model).generate([ids], 40, smollm2.tokenizer.eos_token_ids)[0].tokens
+    with RunningServer(app, free_port()) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=40)  # type: ignore[arg-type]
+    assert r.choices[0].message.content == smollm2.tokenizer.decode(want, skip_special_tokens=True)
+    assert r.usage is not None and r.usage.completion_tokens == len(want)

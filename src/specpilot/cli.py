@@ -7,10 +7,16 @@ import sys
 from collections.abc import Sequence
 
 from specpilot import __version__
-from specpilot.commands import bench, generate, models, verify
+from specpilot.commands import bench, generate, models, serve, verify
 from specpilot.errors import SpecPilotError
 
-COMMANDS = {"generate": generate, "bench": bench, "verify": verify, "models": models}
+COMMANDS = {
+    "generate": generate,
+    "bench": bench,
+    "verify": verify,
+    "models": models,
+    "serve": serve,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,83 @@
+"""``specpilot serve``: the engine behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.errors import SpecPilotError
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the engine over an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions (with streaming), /v1/models, "
+        "/health and Prometheus /metrics. Greedy and lossless: temperature > 0 is refused.",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default: %(default)s, loopback only)"
+    )
+    p.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECPILOT_API_KEY"),
+        help="require this bearer key (default: $SPECPILOT_API_KEY, none)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id reported to clients (default: the target spec)",
+    )
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=256,
+        help="when a request gives no max_tokens (default: %(default)s)",
+    )
+    p.add_argument(
+        "--audit-rate",
+        type=float,
+        default=0.0,
+        help="fraction of responses token-forced in the background (default: %(default)s)",
+    )
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.audit_rate <= 1.0:
+        raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
+    try:
+        import uvicorn
+    except ImportError:
+        raise SpecPilotError(
+            "Serving needs fastapi and uvicorn: pip install 'specpilot[serve]'."
+        ) from None
+    app = build_app(args)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    from specpilot.serve.app import ServeSettings, create_app
+    from specpilot.serve.metrics import ServerMetrics
+    from specpilot.serve.worker import EngineWorker
+
+    dep = build_deployment(args)
+    tok = dep.target.tokenizer
+    if tok is None:
+        raise SpecPilotError("Serving needs the target's tokenizer.")
+    _, engine = dep.engines()
+    worker = EngineWorker(engine, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
+    settings = ServeSettings(
+        model_name=args.served_model_name or dep.target.spec,
+        context=dep.target.model.max_positions,
+        default_max_tokens=args.default_max_tokens,
+        api_key=args.api_key,
+    )
+    return create_app(worker, settings)

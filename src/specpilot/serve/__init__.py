@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving of a SpecPilot engine (FastAPI + uvicorn, imported lazily)."""

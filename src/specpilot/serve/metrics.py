@@ -1,0 +1,77 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specpilot.engine import AcceptanceStats
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("specpilot_requests", "Completed generations", registry=r)
+        self.cancelled = Counter(
+            "specpilot_cancelled_requests", "Generations cancelled by the client", registry=r
+        )
+        self.tokens = Counter("specpilot_generated_tokens", "Committed tokens served", registry=r)
+        self.seconds = Counter(
+            "specpilot_generation_seconds", "Engine time spent generating", registry=r
+        )
+        self.cycles = Counter("specpilot_verify_cycles", "Target verify forwards", registry=r)
+        self.committed = Counter(
+            "specpilot_committed_tokens", "Tokens committed by verify forwards", registry=r
+        )
+        self.queue_depth = Gauge(
+            "specpilot_queue_depth", "Requests waiting for the engine", registry=r
+        )
+        self.mean_accepted_len = Gauge(
+            "specpilot_mean_accepted_length",
+            "Committed tokens per verify forward since start, bonus token included",
+            registry=r,
+        )
+        self.tokens_per_second = Gauge(
+            "specpilot_tokens_per_second", "Served tokens over engine time", registry=r
+        )
+        self.acceptance = Gauge(
+            "specpilot_acceptance_rate",
+            "Acceptance rate by draft position (1-based)",
+            ["position"],
+            registry=r,
+        )
+        self.audited = Counter(
+            "specpilot_audit_sequences", "Responses token-forced in the background", registry=r
+        )
+        self.audit_matches = Counter(
+            "specpilot_audit_match_tokens", "Audited tokens equal to the argmax", registry=r
+        )
+        self.audit_near_ties = Counter(
+            "specpilot_audit_near_tie_tokens", "Audited near-tie tokens", registry=r
+        )
+        self.audit_mismatches = Counter(
+            "specpilot_audit_mismatch_tokens", "Audited mismatching tokens", registry=r
+        )
+        self._stats = AcceptanceStats()
+
+    def observe(self, stats: AcceptanceStats) -> None:
+        self._stats.merge(stats)
+        self.cycles.inc(stats.cycles)
+        self.committed.inc(stats.committed)
+        self.mean_accepted_len.set(self._stats.mean_accepted_len)
+        for i, rate in enumerate(self._stats.acceptance_rates()):
+            self.acceptance.labels(position=str(i + 1)).set(rate)
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        secs = self.seconds._value.get()
+        if secs > 0:
+            self.tokens_per_second.set(self.tokens._value.get() / secs)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def value(self, name: str) -> Any:
+        """A sample's current value by its exposed name (tests and /health)."""
+        return self.registry.get_sample_value(name)
