@@ -99,13 +99,35 @@ def list_prompt_sets() -> list[str]:
     return sorted(PROMPT_SETS)
 
 
+def _user_file(path: Path) -> list[Prompt]:
+    """A user's own JSONL: one object per line with ``prompt`` (text) or ``messages``, and ``id``."""
+    prompts = []
+    for i, r in enumerate(_read_jsonl(path)):
+        if "messages" in r:
+            messages = r["messages"]
+        elif "prompt" in r:
+            messages = [{"role": "user", "content": str(r["prompt"])}]
+        else:
+            raise SpecPilotError(f"{path} line {i + 1} has neither 'prompt' nor 'messages'.")
+        prompts.append(
+            Prompt(id=str(r.get("id", f"{path.stem}/{i}")), messages=messages, category="user")
+        )
+    return prompts
+
+
 def load_prompt_set(name: str, limit: int | None = None) -> list[Prompt]:
-    """The prompts of set ``name`` in file order, the first ``limit`` of them when given."""
-    if name not in PROMPT_SETS:
+    """The prompts of set ``name`` (or of a ``.jsonl`` file) in order, the first ``limit`` when given."""
+    if name not in PROMPT_SETS and not name.endswith(".jsonl"):
         raise SpecPilotError(
-            f"Unknown prompt set '{name}'; choose one of {', '.join(list_prompt_sets())}."
+            f"Unknown prompt set '{name}'; choose one of {', '.join(list_prompt_sets())}, "
+            'or give a .jsonl file of {"id", "prompt"} objects.'
         )
     if limit is not None and limit < 1:
         raise SpecPilotError(f"Prompt limit must be at least 1, got {limit}.")
-    prompts = PROMPT_SETS[name]()
+    if name in PROMPT_SETS:
+        prompts = PROMPT_SETS[name]()
+    elif Path(name).is_file():
+        prompts = _user_file(Path(name))
+    else:
+        raise SpecPilotError(f"Prompt file {name} does not exist.")
     return prompts if limit is None else prompts[:limit]

@@ -1,0 +1,1 @@
+"""The factory: search lossless mechanisms and knobs per deployment, gated by token forcing."""

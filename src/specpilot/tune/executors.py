@@ -1,0 +1,90 @@
+"""Where candidates are evaluated: in this process (default) or on a Ray cluster.
+
+Each worker owns an :class:`Evaluator` (the stock target, the prompts, its own AR baseline), so
+every speedup is a ratio measured in one process. With Ray, one actor per GPU (``num_gpus=1``),
+or ``workers`` CPU actors on a CPU-only cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from specpilot.engine.config import EngineConfig
+from specpilot.tune.evaluate import Evaluator, TrialResult
+
+
+class Executor(Protocol):
+    ar_tok_s: float
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalExecutor:
+    def __init__(
+        self, base: EngineConfig, prompts: Sequence[list[int]], max_new_tokens: int
+    ) -> None:
+        self.evaluator = Evaluator(base, prompts, max_new_tokens)
+        self.ar_tok_s = self.evaluator.ar_tok_s
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        return [self.evaluator.evaluate(c) for c in configs]
+
+    def close(self) -> None:
+        pass
+
+
+class RayExecutor:
+    """Spread evaluations over a Ray cluster (``address=None`` starts a local one)."""
+
+    def __init__(
+        self,
+        base: EngineConfig,
+        prompts: Sequence[list[int]],
+        max_new_tokens: int,
+        address: str | None = None,
+        workers: int | None = None,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        n = workers or max(1, gpus)
+        actor_cls: Any = (
+            ray.remote(num_gpus=1)(_EvalActor) if gpus else ray.remote(num_cpus=1)(_EvalActor)
+        )
+        self._actors = [actor_cls.remote(base, list(prompts), max_new_tokens) for _ in range(n)]
+        self._ray = ray
+        self.ar_tok_s = sum(ray.get([a.ar_tok_s.remote() for a in self._actors])) / n
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        refs = [
+            self._actors[i % len(self._actors)].evaluate.remote(c) for i, c in enumerate(configs)
+        ]
+        return list(self._ray.get(refs))
+
+    def close(self) -> None:
+        for a in self._actors:
+            self._ray.kill(a)
+
+
+class _EvalActor:
+    def __init__(self, base: EngineConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.evaluator = Evaluator(base, prompts, max_new_tokens)
+
+    def ar_tok_s(self) -> float:
+        return self.evaluator.ar_tok_s
+
+    def evaluate(self, config: EngineConfig) -> Any:
+        return self.evaluator.evaluate(config)

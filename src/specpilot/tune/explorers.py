@@ -1,0 +1,83 @@
+"""One explorer per direction: proposes parameter values with Optuna's TPE sampler.
+
+The first proposal of a direction is its defaults (so "just enable the mechanism" is always
+tried); later ones come from TPE, which learns from every result told back, failed gates
+included (told as speedup 0, so the sampler moves away from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specpilot.engine.config import EngineConfig
+from specpilot.mechanisms import Knob
+from specpilot.tune.space import Direction
+
+
+def _distribution(knob: Knob) -> Any:
+    import optuna
+
+    if knob.choices:
+        return optuna.distributions.CategoricalDistribution(list(knob.choices))
+    assert knob.low is not None and knob.high is not None
+    if isinstance(knob.default, (bool, int)):
+        return optuna.distributions.IntDistribution(int(knob.low), int(knob.high))
+    return optuna.distributions.FloatDistribution(float(knob.low), float(knob.high))
+
+
+@dataclass(slots=True)
+class Proposal:
+    explorer: str
+    params: dict[str, Any]
+    config: EngineConfig
+    trial_number: int
+
+
+@dataclass
+class Explorer:
+    direction: Direction
+    seed: int = 0
+    _study: Any = field(default=None, init=False, repr=False)
+    _pending: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.direction.name
+
+    def _ensure_study(self) -> Any:
+        if self._study is None:
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            sampler = optuna.samplers.TPESampler(seed=self.seed, n_startup_trials=3)
+            self._study = optuna.create_study(direction="maximize", sampler=sampler)
+            if self.direction.params:
+                self._study.enqueue_trial({k.name: k.default for k in self.direction.params})
+        return self._study
+
+    def propose(self, base: EngineConfig, n: int) -> list[Proposal]:
+        import optuna
+
+        study = self._ensure_study()
+        dists = {k.name: _distribution(k) for k in self.direction.params}
+        out: list[Proposal] = []
+        seen: set[str] = set()
+        for _ in range(n if dists else 1):
+            trial = study.ask(dists)
+            params = dict(trial.params)
+            key = repr(sorted(params.items()))
+            if key in seen:  # TPE repeats itself on small spaces; do not evaluate twice
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            seen.add(key)
+            self._pending[trial.number] = trial
+            out.append(
+                Proposal(self.name, params, self.direction.derive(base, params), trial.number)
+            )
+        return out
+
+    def tell(self, trial_number: int, speedup: float) -> None:
+        trial = self._pending.pop(trial_number, None)
+        if trial is not None:
+            self._study.tell(trial, speedup)

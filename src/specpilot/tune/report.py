@@ -1,0 +1,148 @@
+"""The tune report: markdown with the price of the search, and PNG charts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specpilot.tune.evaluate import TrialResult
+from specpilot.tune.loop import TuneOutcome
+from specpilot.tune.space import describe
+
+
+def break_even_tokens(
+    search_seconds: float, stock_tok_s: float, tuned_tok_s: float
+) -> float | None:
+    """Generated tokens after which the tuned engine has paid back the search (None: never)."""
+    saved_per_token = (
+        1.0 / stock_tok_s - 1.0 / tuned_tok_s if stock_tok_s > 0 and tuned_tok_s > 0 else 0.0
+    )
+    return search_seconds / saved_per_token if saved_per_token > 0 else None
+
+
+def per_token_phases(r: TrialResult) -> dict[str, float]:
+    """Milliseconds per generated token in each phase (from the engine's phase timers)."""
+    tokens = r.tok_s * sum(r.phase_seconds.values()) if r.tok_s else 0.0
+    if tokens <= 0:
+        return {}
+    return {k: 1e3 * v / tokens for k, v in r.phase_seconds.items()}
+
+
+def write_report(
+    outcome: TuneOutcome, label: str, device: str, out_dir: Path, tuned_path: Path
+) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts = _charts(outcome, out_dir)
+    stock, best = outcome.stock, outcome.best
+    rejected = [t for t in outcome.trials if not t.result.forcing_ok]
+    be = break_even_tokens(outcome.wall_seconds, stock.tok_s, best.tok_s)
+    unit = "GPU-seconds" if device == "cuda" else "CPU wall-seconds (no GPU used)"
+    price = outcome.device_seconds if device == "cuda" else outcome.wall_seconds
+    lines = [
+        f"# SpecPilot tune report — {label}",
+        "",
+        "| engine | config | tok/s | speedup vs AR | τ (bonus incl.) |",
+        "| --- | --- | ---: | ---: | ---: |",
+        f"| plain AR (stock path) | — | {outcome.ar_tok_s:.1f} | 1.00× | 1.00 |",
+        f"| stock speculative | {describe(stock.config)} | {stock.tok_s:.1f} | {stock.speedup:.2f}× | {stock.tau:.2f} |",
+        f"| **tuned** | {describe(best.config)} | {best.tok_s:.1f} | **{best.speedup:.2f}×** | {best.tau:.2f} |",
+        "",
+        f"Tuned over stock speculative: **{best.tok_s / stock.tok_s:.2f}×**. Tuned engine config: `{tuned_path}`.",
+        "Every trial below was token-forced against the stock target; a rejected trial is never integrated.",
+        "",
+        "## Price of the search",
+        f"- {price:.1f} {unit}; {outcome.wall_seconds:.1f} s wall time; {len(outcome.trials)} trials "
+        f"in {outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing.",
+        "- Break-even: "
+        + (
+            f"{be:,.0f} generated tokens until the search has paid for itself."
+            if be
+            else "never (no gain)."
+        ),
+    ]
+    if outcome.reused:
+        lines += ["", "## Reused from memory", *[f"- {r}" for r in outcome.reused]]
+    lines += [
+        "",
+        "## Trials",
+        "| round | explorer | config | tok/s | speedup | τ | forcing |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for t in outcome.trials:
+        r = t.result
+        verdict = (
+            "pass" if r.forcing_ok else f"**REJECTED** {r.forcing.get('first_mismatch', r.forcing)}"
+        )
+        lines.append(
+            f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.tok_s:.1f} | {r.speedup:.2f}× | {r.tau:.2f} | {verdict} |"
+        )
+    lines += ["", *[f"![{name}]({name})" for name in charts]]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _charts(outcome: TuneOutcome, out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    names = []
+    # Speed versus search time: every trial, the best so far, rejected trials marked.
+    fig, ax = plt.subplots(figsize=(7, 4))
+    elapsed, best, xs, ys, bx, by, rx, ry = 0.0, 0.0, [], [], [], [], [], []
+    for t in outcome.trials:
+        elapsed += t.result.wall_seconds
+        if t.result.forcing_ok:
+            xs.append(elapsed)
+            ys.append(t.result.speedup)
+            best = max(best, t.result.speedup)
+        else:
+            rx.append(elapsed)
+            ry.append(t.result.speedup)
+        bx.append(elapsed)
+        by.append(best)
+    ax.scatter(xs, ys, s=18, label="trial (token forcing passed)")
+    if rx:
+        ax.scatter(rx, ry, marker="x", color="red", label="rejected by token forcing")
+    ax.step(bx, by, where="post", color="black", label="best so far")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("search wall time (s)")
+    ax.set_ylabel("speedup over plain AR")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("speed vs price of the search")
+    fig.tight_layout()
+    fig.savefig(out_dir / "speed_vs_search.png", dpi=110)
+    plt.close(fig)
+    names.append("speed_vs_search.png")
+    # Cycle breakdown per generated token, stock vs tuned.
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, r in enumerate((outcome.stock, outcome.best)):
+        left = 0.0
+        for j, (phase, ms) in enumerate(sorted(per_token_phases(r).items())):
+            ax.barh(i, ms, left=left, color=f"C{j}", label=phase if i == 0 else None)
+            left += ms
+    ax.set_yticks([0, 1], ["stock", "tuned"])
+    ax.set_xlabel("ms per generated token")
+    ax.legend(fontsize=8)
+    ax.set_title("where the time goes")
+    fig.tight_layout()
+    fig.savefig(out_dir / "cycle_breakdown.png", dpi=110)
+    plt.close(fig)
+    names.append("cycle_breakdown.png")
+    # Acceptance by draft position.
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, r in (("stock", outcome.stock), ("tuned", outcome.best)):
+        ax.plot(range(1, len(r.acceptance) + 1), r.acceptance, marker="o", label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=8)
+    ax.set_title("acceptance histogram")
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance.png", dpi=110)
+    plt.close(fig)
+    names.append("acceptance.png")
+    return names

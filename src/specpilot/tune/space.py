@@ -1,0 +1,96 @@
+"""Search directions: a knob group or a mechanism family that attacks a cost-model component.
+
+A direction turns a dict of parameter values into a new :class:`EngineConfig` derived from a base
+config. Directions are built from the config's own knobs (draft length, n-gram sizes) and from
+every registered mechanism that applies to the deployment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specpilot.engine.config import EngineConfig
+from specpilot.mechanisms import MECHANISMS, Knob
+
+
+@dataclass(frozen=True, slots=True)
+class Direction:
+    name: str
+    attacks: tuple[str, ...]
+    """Cost-model components this direction can shrink."""
+    params: tuple[Knob, ...]
+    derive: Callable[[EngineConfig, dict[str, Any]], EngineConfig]
+    """base config + parameter values -> candidate config."""
+
+
+def config_hash(cfg: EngineConfig) -> str:
+    return hashlib.sha256(cfg.to_json().encode()).hexdigest()[:16]
+
+
+def _with_k(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    return dataclasses.replace(base, k=int(p["k"]))
+
+
+def _with_ngram(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    lo, hi = sorted((int(p["min_n"]), int(p["max_n"])))
+    return dataclasses.replace(base, drafter_knobs={**base.drafter_knobs, "min_n": lo, "max_n": hi})
+
+
+def _mechanism_direction(name: str) -> Direction:
+    mech = MECHANISMS[name]
+
+    def derive(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+        return dataclasses.replace(base, mechanisms={**base.mechanisms, name: dict(p)})
+
+    return Direction(
+        name=f"mechanism:{name}", attacks=(mech.component,), params=mech.knobs, derive=derive
+    )
+
+
+def directions_for(base: EngineConfig, device: str, arch: str) -> list[Direction]:
+    """Every direction that applies to the deployment of ``base``."""
+    dep = base.deployment
+    out: list[Direction] = []
+    if dep.drafter != "none":
+        out.append(
+            Direction(
+                "draft-length",
+                ("draft", "verify"),
+                (Knob("k", base.k or 4, low=1, high=16),),
+                _with_k,
+            )
+        )
+    if dep.drafter == "ngram":
+        kn = base.drafter_knobs
+        out.append(
+            Direction(
+                "ngram-sizes",
+                ("draft",),
+                (
+                    Knob("max_n", int(kn.get("max_n", 3)), low=1, high=6),
+                    Knob("min_n", int(kn.get("min_n", 1)), low=1, high=3),
+                ),
+                _with_ngram,
+            )
+        )
+    drafter = dep.drafter
+    for name, mech in sorted(MECHANISMS.items()):
+        if mech.applies.allows(device, dep.dtype, drafter, dep.mode, arch):
+            out.append(_mechanism_direction(name))
+    return out
+
+
+def describe(cfg: EngineConfig) -> str:
+    """A short label for reports: k, drafter knobs, mechanisms."""
+    parts = [f"k={cfg.k}"]
+    parts += [f"{k}={v}" for k, v in sorted(cfg.drafter_knobs.items())]
+    parts += [
+        f"+{n}" + (json.dumps(v, separators=(",", ":")) if v else "")
+        for n, v in sorted(cfg.mechanisms.items())
+    ]
+    return " ".join(parts)

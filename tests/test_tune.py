@@ -1,0 +1,221 @@
+"""The tune loop end to end on a tiny model: gate, integration, memory, resume, warm start, Ray."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.cli import main
+from specpilot.engine import VerifyOutcome, greedy_verify
+from specpilot.mechanisms import MECHANISMS, Mechanism
+from test_cli import tiny_dir
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tune")
+    model = tiny_dir(root / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["max_position_embeddings"] = 1024
+    (model / "config.json").write_text(json.dumps(cfg))
+    prompts = root / "prompts.jsonl"
+    lines = [
+        {"id": f"p{i}", "prompt": " ".join(["hello world hi user"] * (3 + i))} for i in range(3)
+    ]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return model, prompts
+
+
+def tune_argv(model: Path, prompts: Path, out: Path, memory: Path, *extra: str) -> list[str]:
+    return [
+        "tune",
+        "--target",
+        str(model),
+        "--device",
+        "cpu",
+        "--prompts",
+        str(prompts),
+        "--limit",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--rounds",
+        "2",
+        "--trials",
+        "2",
+        "--directions",
+        "2",
+        "--out",
+        str(out),
+        "--memory",
+        str(memory),
+        "-k",
+        "2",
+        *extra,
+    ]
+
+
+def _faulty_verify(draft: torch.Tensor, lens: torch.Tensor, argmax: torch.Tensor) -> VerifyOutcome:
+    """Accepts one drafted token more than it should, whenever one was rejected."""
+    out = greedy_verify(draft, lens, argmax)
+    n = torch.minimum(out.accepted_len + 1, lens)
+    return VerifyOutcome(accepted_len=n, bonus=argmax.gather(1, n[:, None]).squeeze(1))
+
+
+FAULTY = Mechanism(
+    name="test-faulty-verify",
+    component="verify",
+    plug_point="verify_strategy",
+    lossless="it is not: a planted fault that the gate must reject",
+    apply=lambda build, knobs: setattr(build, "verify_fn", _faulty_verify),
+)
+
+
+def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monkeypatch):
+    model, prompts = tiny
+    monkeypatch.setitem(MECHANISMS, FAULTY.name, FAULTY)
+    out, memory = tmp_path / "out", tmp_path / "mem.sqlite"
+    assert main(tune_argv(model, prompts, out, memory, "--directions", "3")) == 0
+    log = capsys.readouterr().out
+    tuned = json.loads((out / "tuned.json").read_text())
+    assert FAULTY.name not in tuned["mechanisms"]
+    assert "REJECTED by token forcing" in log and "+test-faulty-verify" in log
+    report = (out / "report.md").read_text()
+    assert "Price of the search" in report and "Break-even" in report and "REJECTED" in report
+    for png in ("speed_vs_search.png", "cycle_breakdown.png", "acceptance.png"):
+        assert (out / png).stat().st_size > 1000
+    db = sqlite3.connect(memory)
+    rows = db.execute("SELECT explorer, forcing_ok, forcing FROM trials").fetchall()
+    faulty = [r for r in rows if r[0] == f"mechanism:{FAULTY.name}"]
+    # rejected once (with its first mismatch logged), then quarantined: never tried again
+    assert len(faulty) == 1 and faulty[0][1] == 0 and "first_mismatch" in json.loads(faulty[0][2])
+    assert "quarantined" in log
+    assert any(r[1] == 1 for r in rows)
+    assert db.execute("SELECT COUNT(*) FROM validated").fetchone()[0] >= 1
+    # the tuned engine loads in generate and is lossless
+    assert (
+        main(
+            [
+                "generate",
+                "hello world",
+                "--raw",
+                "--engine",
+                str(out / "tuned.json"),
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["forcing"]["ok"]
+    # memory CLI
+    assert main(["memory", "--memory", str(memory), "list"]) == 0
+    listing = capsys.readouterr().out
+    key = listing.split()[0]
+    assert main(["memory", "--memory", str(memory), "show", key[:6]]) == 0
+    assert "REJECTED" in capsys.readouterr().out
+    assert (
+        main(["memory", "--memory", str(memory), "export", "--out", str(tmp_path / "m.json")]) == 0
+    )
+    exported = json.loads((tmp_path / "m.json").read_text())
+    assert exported["trials"] and exported["deployments"][0]["fingerprint"]["dtype"] == "fp32"
+
+
+def test_sigkill_then_resume_loses_no_finished_trial(tiny, tmp_path):
+    model, prompts = tiny
+    out, memory = tmp_path / "out", tmp_path / "mem.sqlite"
+    argv = tune_argv(
+        model, prompts, out, memory, "--rounds", "3", "--min-gain", "-1"
+    )  # never stops early
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specpilot.cli", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    finished = 0
+    while finished < 3:
+        assert proc.poll() is None, "tune ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.2)
+        if memory.exists():
+            with contextlib.suppress(sqlite3.Error):
+                finished = (
+                    sqlite3.connect(memory).execute("SELECT COUNT(*) FROM trials").fetchone()[0]
+                )
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = (
+        sqlite3.connect(memory).execute("SELECT id, config_hash FROM trials ORDER BY id").fetchall()
+    )
+    assert len(before) >= 3
+    res = subprocess.run(
+        [sys.executable, "-m", "specpilot.cli", *argv[:-2], "--resume"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"{len(before)} finished trials are reused" in res.stdout
+    after = (
+        sqlite3.connect(memory).execute("SELECT id, config_hash FROM trials ORDER BY id").fetchall()
+    )
+    assert after[: len(before)] == before  # nothing lost, nothing re-run
+    hashes = [h for _, h in after]
+    assert len(hashes) == len(set(hashes))
+
+
+def test_warm_start_reuses_validated_results_of_a_similar_deployment(tiny, tmp_path, capsys):
+    model, prompts = tiny
+    memory = tmp_path / "mem.sqlite"
+    assert main(tune_argv(model, prompts, tmp_path / "a", memory, "--rounds", "1")) == 0
+    capsys.readouterr()
+    # Same target and device, another drafter setting: a similar deployment.
+    assert (
+        main(tune_argv(model, prompts, tmp_path / "b", memory, "--rounds", "1", "--dtype", "bf16"))
+        == 0
+    )
+    log = capsys.readouterr().out
+    assert "reused from memory:" in log
+    assert "Reused from memory" in (tmp_path / "b" / "report.md").read_text()
+
+
+def test_ray_executor_on_a_local_cluster(tiny, tmp_path, capsys):
+    pytest.importorskip("ray")
+    model, prompts = tiny
+    argv = tune_argv(
+        model,
+        prompts,
+        tmp_path / "out",
+        tmp_path / "mem.sqlite",
+        "--rounds",
+        "1",
+        "--executor",
+        "ray",
+        "--workers",
+        "2",
+    )
+    try:
+        assert main(argv) == 0
+    finally:
+        import ray
+
+        ray.shutdown()
+    assert (tmp_path / "out" / "tuned.json").is_file()
+    assert "tuned:" in capsys.readouterr().out
