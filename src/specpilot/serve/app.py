@@ -199,6 +199,12 @@ def _usage(prompt: int, outcome: Outcome) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
+def _envelope(
+    rid: str, obj: str, created: int, model: str, choice: dict[str, Any]
+) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
 @dataclass(frozen=True, slots=True)
 class _CompletionShape:
     model: str
@@ -211,13 +217,8 @@ class _CompletionShape:
             "logprobs": None,
             "finish_reason": out.finish_reason,
         }
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": _usage(prompt, out),
+        return _envelope(rid, "text_completion", created, self.model, choice) | {
+            "usage": _usage(prompt, out)
         }
 
     def first_chunk(self, rid: str, created: int) -> dict[str, Any] | None:
@@ -225,13 +226,7 @@ class _CompletionShape:
 
     def chunk(self, rid: str, created: int, text: str, finish: str | None) -> dict[str, Any]:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return _envelope(rid, "text_completion", created, self.model, choice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,29 +237,18 @@ class _ChatShape:
     def full(self, rid: str, created: int, out: Outcome, prompt: int) -> dict[str, Any]:
         msg = {"role": "assistant", "content": out.text}
         choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": out.finish_reason}
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": _usage(prompt, out),
+        return _envelope(rid, "chat.completion", created, self.model, choice) | {
+            "usage": _usage(prompt, out)
         }
 
     def first_chunk(self, rid: str, created: int) -> dict[str, Any] | None:
-        return self._chunk(rid, created, {"role": "assistant", "content": ""}, None)
+        return self.chunk(rid, created, "", None, first=True)
 
-    def chunk(self, rid: str, created: int, text: str, finish: str | None) -> dict[str, Any]:
-        return self._chunk(rid, created, {"content": text} if text else {}, finish)
-
-    def _chunk(
-        self, rid: str, created: int, delta: dict[str, str], finish: str | None
+    def chunk(
+        self, rid: str, created: int, text: str, finish: str | None, first: bool = False
     ) -> dict[str, Any]:
+        delta = (
+            {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        )
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return _envelope(rid, "chat.completion.chunk", created, self.model, choice)

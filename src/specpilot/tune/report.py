@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.loop import TuneOutcome
@@ -109,14 +110,17 @@ def _charts(outcome: TuneOutcome, out_dir: Path) -> list[str]:
         ax.scatter(rx, ry, marker="x", color="red", label="rejected by token forcing")
     ax.step(bx, by, where="post", color="black", label="best so far")
     ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("search wall time (s)")
     ax.set_ylabel("speedup over plain AR")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("speed vs price of the search")
-    fig.tight_layout()
-    fig.savefig(out_dir / "speed_vs_search.png", dpi=110)
-    plt.close(fig)
-    names.append("speed_vs_search.png")
+    names.append(
+        _finish(
+            plt,
+            fig,
+            ax,
+            out_dir / "speed_vs_search.png",
+            "speed vs price of the search",
+            "search wall time (s)",
+        )
+    )
     # Cycle breakdown per generated token, stock vs tuned.
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, r in enumerate((outcome.stock, outcome.best)):
@@ -125,24 +129,33 @@ def _charts(outcome: TuneOutcome, out_dir: Path) -> list[str]:
             ax.barh(i, ms, left=left, color=f"C{j}", label=phase if i == 0 else None)
             left += ms
     ax.set_yticks([0, 1], ["stock", "tuned"])
-    ax.set_xlabel("ms per generated token")
-    ax.legend(fontsize=8)
-    ax.set_title("where the time goes")
-    fig.tight_layout()
-    fig.savefig(out_dir / "cycle_breakdown.png", dpi=110)
-    plt.close(fig)
-    names.append("cycle_breakdown.png")
+    names.append(
+        _finish(
+            plt,
+            fig,
+            ax,
+            out_dir / "cycle_breakdown.png",
+            "where the time goes",
+            "ms per generated token",
+        )
+    )
     # Acceptance by draft position.
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, r in (("stock", outcome.stock), ("tuned", outcome.best)):
         ax.plot(range(1, len(r.acceptance) + 1), r.acceptance, marker="o", label=name)
-    ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8)
-    ax.set_title("acceptance histogram")
-    fig.tight_layout()
-    fig.savefig(out_dir / "acceptance.png", dpi=110)
-    plt.close(fig)
-    names.append("acceptance.png")
+    names.append(
+        _finish(plt, fig, ax, out_dir / "acceptance.png", "acceptance histogram", "draft position")
+    )
     return names
+
+
+def _finish(plt: Any, fig: Any, ax: Any, path: Path, title: str, xlabel: str) -> str:
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
