@@ -1,0 +1,65 @@
+"""Measured hardware ceilings: device copy bandwidth and bf16 matmul rate (CPU: small stand-ins)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def _time(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Seconds per call: events on CUDA (median of 3 runs of ``iters``), perf_counter elsewhere."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                fn()
+            e1.record()
+            e1.synchronize()
+            runs.append(e0.elapsed_time(e1) / 1e3 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            runs.append((time.perf_counter() - t0) / iters)
+    return sorted(runs)[1]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    n = nbytes // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    sec = _time(lambda: dst.copy_(src), device, iters=20)
+    return 2 * n * 2 / sec
+
+
+def read_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a streaming read (a sum over a large bf16 vector)."""
+    x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    sec = _time(lambda: x.sum(), device, iters=20)
+    return nbytes / sec
+
+
+def matmul_rate(device: torch.device, n: int) -> float:
+    """FLOP/s of an n×n×n matmul on random data (bf16 on CUDA, fp32 on the CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sec = _time(lambda: a @ b, device, iters=10)
+    return 2 * n**3 / sec
+
+
+def measure(device: torch.device, tiny: bool) -> dict[str, float]:
+    size = 1 << 22 if tiny else 4 << 30
+    return {
+        "copy_bandwidth_Bps": copy_bandwidth(device, size),
+        "read_bandwidth_Bps": read_bandwidth(device, size),
+        "matmul_flops": matmul_rate(device, 256 if tiny else 8192),
+    }

@@ -1,0 +1,127 @@
+"""HF transformers ``generate`` on the same synthetic weights, for side-by-side timings.
+
+The HF model is built on the meta device and its parameters are *assigned* views of our tensors
+(q/k/v and gate/up are row slices of our fused matrices), so it costs no extra device memory and
+runs the very same weights. Only the rotary buffers are rebuilt on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from specpilot.config import ModelConfig
+from specpilot.models.transformer import DecoderLayer, Transformer
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    import transformers
+
+    kwargs: dict[str, Any] = {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_position_embeddings,
+        }
+    if cfg.arch == "llama":
+        return transformers.LlamaConfig(attention_bias=cfg.attention_bias, **kwargs)
+    if cfg.arch == "qwen2":
+        return transformers.Qwen2Config(**kwargs)
+    return transformers.Qwen3Config(**kwargs)
+
+
+def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
+    """HF-named views of ``model``'s weights (the inverse of ``load_hf_state_dict``)."""
+    cfg = model.cfg
+    sd: dict[str, Tensor] = {
+        "model.embed_tokens.weight": model.embed,
+        "model.norm.weight": model.final_norm,
+    }
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = model.lm_head
+    split = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        pre, att = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        sd[pre + "input_layernorm.weight"] = layer.input_norm
+        sd[pre + "post_attention_layernorm.weight"] = layer.post_attn_norm
+        for name, w in zip("qkv", layer.w_qkv.split(split), strict=True):
+            sd[att + f"{name}_proj.weight"] = w
+        if layer.b_qkv is not None:
+            for name, bias in zip("qkv", layer.b_qkv.split(split), strict=True):
+                sd[att + f"{name}_proj.bias"] = bias
+        if layer.q_norm is not None and layer.k_norm is not None:
+            sd[att + "q_norm.weight"] = layer.q_norm
+            sd[att + "k_norm.weight"] = layer.k_norm
+        sd[att + "o_proj.weight"] = layer.w_o
+        gate, up = layer.w_gate_up.chunk(2)
+        sd[pre + "mlp.gate_proj.weight"] = gate
+        sd[pre + "mlp.up_proj.weight"] = up
+        sd[pre + "mlp.down_proj.weight"] = layer.w_down
+    return sd
+
+
+def hf_model(model: Transformer) -> Any:
+    """An HF ``*ForCausalLM`` sharing ``model``'s weights (no copy)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(model.cfg)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"HF weight mapping failed: missing {missing}, unexpected {unexpected}")
+    if model.cfg.tie_word_embeddings:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    rotary = hf.model.rotary_emb
+    hf.model.rotary_emb = type(rotary)(hf.config).to(model.device)  # built off the meta device
+    return hf.eval()
+
+
+def hf_generate(
+    hf: Any,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    device: torch.device,
+    **kwargs: Any,
+) -> tuple[list[int], float]:
+    """Greedy HF ``generate`` (no EOS); returns new tokens and seconds (prefill included)."""
+    ids = torch.tensor([list(prompt)], device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+            **kwargs,
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return [int(t) for t in out[0, ids.shape[1] :].tolist()], time.perf_counter() - t0

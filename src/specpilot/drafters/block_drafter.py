@@ -1,0 +1,149 @@
+"""A DFlash-like block drafter: a few decoder layers at the target's width that draft a whole
+block in one forward, conditioned on the target's hidden states.
+
+Shape and cost follow DFlash ("Block Diffusion for Flash Speculative Decoding", z-lab): hidden states of ``len(hidden_layers)`` target layers are concatenated, projected by
+``fc`` to the hidden size and normed; every drafter layer turns these context rows into K/V only
+(no attention or MLP for them). The block ``[bonus, mask × (block-1)]`` then runs through the
+layers attending to the whole context and, non-causally, to itself; the target's own LM head
+turns rows 1.. into ``block - 1`` drafted tokens. Per cycle the drafter reads its layers' weights
+once plus the target's LM head, as the real one does.
+
+Context bookkeeping: the last verify fed the target ``[pending, d_1..d_k]`` at slots starting at
+``prev_committed - 1``; their hidden states are written as context K/V at those slots. Only the
+accepted ones (slots ``< committed_len - 1``) stay visible: the block is written from slot
+``committed_len - 1`` on, over the rejected ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpilot.config import ModelConfig
+from specpilot.models.kv_cache import KVCache
+from specpilot.models.static_forward import StaticForward
+from specpilot.models.transformer import DecoderLayer, Transformer
+
+if TYPE_CHECKING:
+    from specpilot.engine.static_engine import StaticEngine
+
+
+def default_hidden_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
+    """``count`` target layers spread from the second to the second-to-last (as DFlash picks)."""
+    count = min(count, num_target_layers)
+    if count == 1:
+        return (num_target_layers // 2,)
+    lo, hi = 1, max(num_target_layers - 2, 1)
+    return tuple(sorted({lo + round(i * (hi - lo) / (count - 1)) for i in range(count)}))
+
+
+class BlockDrafterWeights(nn.Module):
+    """The drafter's own weights; embedding and LM head are the target's."""
+
+    def __init__(
+        self, cfg: ModelConfig, num_context: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.fc = nn.Parameter(
+            torch.empty(h, num_context * h, dtype=dtype, device=device), requires_grad=False
+        )
+        self.hidden_norm = nn.Parameter(
+            torch.empty(h, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def init_random(self, seed: int, std: float = 0.02) -> None:
+        """Seeded random weights generated on their device."""
+        gen = torch.Generator(device=self.fc.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, prm in self.named_parameters():
+                if prm.dim() == 1 and "norm" in name:
+                    prm.normal_(1.0, 0.1, generator=gen)
+                else:
+                    prm.normal_(0.0, std, generator=gen)
+
+
+class BlockDrafter:
+    name = "block"
+
+    def __init__(
+        self,
+        target: Transformer,
+        num_layers: int = 5,
+        block: int = 16,
+        num_context_layers: int = 5,
+        mask_token_id: int = 0,
+    ) -> None:
+        if block < 2:
+            raise ValueError(f"block must be at least 2, got {block}")
+        tcfg = target.cfg
+        self.cfg = ModelConfig.from_dict({**tcfg.to_dict(), "num_layers": num_layers})
+        self.target = target
+        self.block = block
+        self.k = block - 1
+        self.mask_token_id = mask_token_id
+        self.hidden_layers = default_hidden_layers(tcfg.num_layers, num_context_layers)
+        self.weights = BlockDrafterWeights(
+            self.cfg, len(self.hidden_layers), target.dtype, target.device
+        )
+        self.fwd = StaticForward(target)
+        self.cache: KVCache | None = None
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.weights.parameters())
+
+    def bind(self, engine: StaticEngine) -> None:
+        assert engine.cache is not None
+        cache = engine.cache
+        self.cache = KVCache.allocate(
+            self.cfg, cache.batch_size, cache.max_seq_len, self.target.dtype, self.target.device
+        )
+
+    def _layers(self) -> list[DecoderLayer]:
+        return [lyr for lyr in self.weights.layers if isinstance(lyr, DecoderLayer)]
+
+    def _write_context(self, hidden: Tensor, start: Tensor) -> None:
+        """``hidden [n_sel, B, T, H]`` target states → context K/V at slots ``start + t``."""
+        assert self.cache is not None
+        n, b, t, h = hidden.shape
+        feats = hidden.permute(1, 2, 0, 3).reshape(b * t, n * h)  # [B*T, n_sel*H]
+        ctx = self.fwd.norm(F.linear(feats, self.weights.fc), self.weights.hidden_norm)  # [B*T, H]
+        positions = (start[:, None] + torch.arange(t, device=hidden.device)).reshape(b * t)
+        for i, layer in enumerate(self._layers()):
+            self.fwd.write_kv(layer, ctx, self.cache.k[i], self.cache.v[i], positions, b)
+
+    def prefill(
+        self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
+    ) -> None:
+        assert hidden is not None
+        self._write_context(hidden, torch.zeros_like(prompt_lens))
+
+    def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
+        return engine.bucket(max_committed + max(self.block, self.k + 1))
+
+    def draft(self, engine: StaticEngine, attn_len: int) -> None:
+        st, cache, hidden = engine.state, self.cache, engine.verify_hidden
+        assert st is not None and cache is not None and hidden is not None
+        self._write_context(hidden, st.prev_committed - 1)
+        b = st.pending.shape[0]
+        block = torch.full(
+            (b, self.block), self.mask_token_id, dtype=torch.int64, device=st.pending.device
+        )
+        block[:, 0] = st.pending
+        x = F.embedding(block, self.target.embed)  # [B, block, H]
+        out = self.fwd.run_layers(
+            self._layers(), x, cache, st.committed_len - 1, attn_len, causal=False
+        )  # [B*block, H]
+        rows = out.view(b, self.block, -1)[:, 1:].reshape(b * self.k, -1)  # [B*k, H]
+        st.drafts[:, : self.k].copy_(self.fwd.logits(rows).argmax(dim=-1).view(b, self.k))
+        st.draft_lens.fill_(self.k)
+
+    def after_cycle(
+        self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]
+    ) -> None:
+        return None

@@ -1,0 +1,210 @@
+"""Simulated acceptance: a drafter does its real compute, its proposal is then replaced by the
+target's own greedy continuation with misses injected to follow a stated acceptance profile.
+
+For timing at realistic shapes with random weights (which accept nothing), in the spirit of
+SGLang's ``SGLANG_SIMULATE_ACC_LEN``, but lossless: verification stays real, so every committed
+token is still the target's argmax, and the number accepted is whatever the real verify accepts.
+
+Where the oracle comes from: a plain AR run of the *same* engine from the committed state
+(:meth:`StaticEngine.reference_continuation`), once after prefill. Its tokens are what the target
+will commit, so drafting them makes the real verify accept exactly up to the injected miss. In
+bf16 a verify forward (width k + 1) can round differently from the AR forward (width 1) and, at a
+near-tie, pick another token; the trajectory then leaves the oracle. The wrapper sees that on the
+host (committed ≠ oracle), counts a *divergence* and recomputes the oracle from there. Reference
+runs are excluded from the engine's timed wall clock (``CycleTimes.excluded``).
+
+Profiles: ``tau=6.5,block=16`` (τ = committed tokens per cycle **including the bonus**, drafts
+per cycle = block - 1, every position accepted with the same conditional rate α solving
+1 + α + … + α^k = τ) or ``rates=0.9,0.8,...`` (conditional rate per draft position; k = their
+count, or ``block - 1`` padded with the last rate). Accepted lengths are drawn by stratified
+sampling over windows of 64 cycles, so a run's mean lands on the profile's τ quickly.
+
+Every figure produced with this wrapper must be labelled ``SIM_LABEL``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from specpilot.drafters.static_base import StaticDrafter
+
+if TYPE_CHECKING:
+    from specpilot.engine.static_engine import StaticEngine
+
+SIM_LABEL = "simulated acceptance"
+STRATUM = 64
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceProfile:
+    rates: tuple[float, ...]
+    """Conditional acceptance rate of each draft position, given all earlier ones were accepted."""
+
+    def __post_init__(self) -> None:
+        if not self.rates or not all(0.0 <= r <= 1.0 for r in self.rates):
+            raise ValueError("An acceptance profile needs at least one rate, each in [0, 1].")
+
+    @property
+    def k(self) -> int:
+        return len(self.rates)
+
+    def survival(self) -> list[float]:
+        """P(accepted length ≥ i) for i = 1..k."""
+        out, p = [], 1.0
+        for r in self.rates:
+            p *= r
+            out.append(p)
+        return out
+
+    @property
+    def tau(self) -> float:
+        """Expected committed tokens per cycle, bonus included."""
+        return 1.0 + sum(self.survival())
+
+    @classmethod
+    def parse(cls, text: str) -> AcceptanceProfile:
+        fields: dict[str, str] = {}
+        for part in text.replace(" ", "").split(","):
+            if "=" in part:
+                key, val = part.split("=", 1)
+                fields[key] = val
+            elif "rates" in fields:  # rates=0.9,0.8,... continues after the first comma
+                fields["rates"] += "," + part
+            else:
+                raise ValueError(f"Cannot read '{part}' in the acceptance profile '{text}'.")
+        try:
+            block = int(fields["block"]) if "block" in fields else None
+            if "rates" in fields:
+                rates = [float(x) for x in fields["rates"].split(",") if x]
+                if block is not None:
+                    if len(rates) > block - 1:
+                        raise ValueError("more rates than draft positions (block - 1)")
+                    rates += [rates[-1]] * (block - 1 - len(rates))
+                return cls(tuple(rates))
+            if "tau" in fields and block is not None:
+                return cls.constant(float(fields["tau"]), block - 1)
+        except ValueError as e:
+            raise ValueError(f"Bad acceptance profile '{text}': {e}.") from None
+        raise ValueError(
+            f"Bad acceptance profile '{text}'; write 'tau=6.5,block=16' or 'rates=0.9,0.8,0.7'."
+        )
+
+    @classmethod
+    def constant(cls, tau: float, k: int) -> AcceptanceProfile:
+        if not 1.0 <= tau <= k + 1:
+            raise ValueError(f"tau must lie in [1, {k + 1}] for {k} draft positions")
+        lo, hi = 0.0, 1.0
+        for _ in range(100):  # bisection on 1 + α + … + α^k = τ
+            mid = (lo + hi) / 2
+            if 1.0 + sum(mid**i for i in range(1, k + 1)) < tau:
+                lo = mid
+            else:
+                hi = mid
+        return cls(tuple([(lo + hi) / 2] * k))
+
+    def schedule(self, cycles: int, seed: int) -> list[int]:
+        """Accepted draft lengths for ``cycles`` cycles, stratified per window of 64."""
+        rng = random.Random(seed)
+        surv = self.survival()
+        out: list[int] = []
+        while len(out) < cycles:
+            strata = list(range(STRATUM))
+            rng.shuffle(strata)
+            for s in strata:
+                u = (s + rng.random()) / STRATUM
+                out.append(sum(1 for p in surv if u < p))
+        return out[:cycles]
+
+
+class SimulatedAcceptance:
+    """Wraps a :class:`StaticDrafter`; see the module docstring."""
+
+    def __init__(self, inner: StaticDrafter, profile: AcceptanceProfile, seed: int = 0) -> None:
+        if profile.k != inner.k:
+            raise ValueError(
+                f"The profile has {profile.k} draft positions but the drafter drafts {inner.k}; "
+                f"give block={inner.k + 1}."
+            )
+        self.inner = inner
+        self.profile = profile
+        self.seed = seed
+        self.name = f"{inner.name} ({SIM_LABEL})"
+        self.k = inner.k
+        self.hidden_layers = inner.hidden_layers
+        self.divergences = 0
+        self.reference_runs = 0
+        self.chunk = max(64, 4 * (inner.k + 1))
+        """Tokens of oracle computed per reference run."""
+        self._covered: list[int] = []  # per row: oracle known below this position
+        self._oracle: Tensor | None = None  # [B, S] expected token at each position
+        self._schedule: Tensor | None = None  # [S] accepted length per cycle
+        self._host: list[list[int]] = []
+        self._vocab = 1
+
+    def bind(self, engine: StaticEngine) -> None:
+        self.inner.bind(engine)
+        st = engine.state
+        assert st is not None
+        self._oracle = torch.zeros_like(st.tokens)
+        sched = self.profile.schedule(st.capacity, self.seed)
+        self._schedule = torch.tensor(sched, dtype=torch.int64, device=st.tokens.device)
+        self._vocab = engine.target.cfg.vocab_size
+
+    def prefill(
+        self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
+    ) -> None:
+        self.inner.prefill(engine, prompts, prompt_lens, hidden)
+        self.divergences = 0
+        st = engine.state
+        assert st is not None
+        self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
+        self._covered = [0] * st.batch_size
+        self.reference_runs = 0
+        self.reanchor(engine)
+
+    def reanchor(self, engine: StaticEngine) -> None:
+        """(Re)compute the next ``chunk`` oracle tokens from the committed state by a reference
+        AR run of the engine."""
+        assert self._oracle is not None
+        n = min(engine.oracle_horizon(), self.chunk)
+        cont = engine.reference_continuation(n)
+        self.reference_runs += 1
+        for row, (c, toks) in enumerate(zip(engine.committed_lens(), cont, strict=True)):
+            self._host[row][c : c + len(toks)] = toks
+            self._oracle[row, c : c + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+            self._covered[row] = c + len(toks)
+
+    def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
+        return self.inner.attn_len(engine, max_committed)
+
+    def draft(self, engine: StaticEngine, attn_len: int) -> None:
+        self.inner.draft(engine, attn_len)  # the real compute; its proposal is then replaced
+        st, oracle, sched = engine.state, self._oracle, self._schedule
+        assert st is not None and oracle is not None and sched is not None
+        dev, k = oracle.device, self.k
+        miss_at = sched.index_select(0, st.cycle.clamp(max=sched.shape[0] - 1))  # [1]
+        pos = torch.arange(k, device=dev)[None, :]  # [1, k]
+        idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
+        window = oracle.gather(1, idx)  # [B, k] the target's own continuation
+        wrong = (window + 1) % self._vocab
+        st.drafts[:, :k].copy_(torch.where(pos == miss_at[:, None], wrong, window))
+        st.draft_lens.fill_(k)
+
+    def after_cycle(
+        self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]
+    ) -> None:
+        diverged = any(
+            self._host[row][pos : pos + len(toks)] != toks for row, pos, toks in committed
+        )
+        if diverged:
+            self.divergences += 1
+        lens = engine.committed_lens()
+        short = any(lens[row] + self.k > self._covered[row] for row, _, _ in committed)
+        if diverged or short:
+            self.reanchor(engine)

@@ -1,0 +1,182 @@
+"""Triton kernels for the decode step: RMSNorm, (q/k-norm +) RoPE + KV-cache write, SiLU·mul.
+
+Each replaces a chain of small torch ops (7 launches for an RMSNorm, ~14 for RoPE on q and k plus
+two index_put for the cache) with one launch; in a memory-bound decode step those launches, not
+their bytes, are the cost. Rounding follows the torch references in ``reference.py`` step by step
+(float32 statistics, cast to the activation dtype before scaling by the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / n_cols
+    h = (xf * tl.rsqrt(var + eps)).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * h.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + row * n_cols + offs, out, mask=mask)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``x [M, N]`` contiguous → ``[M, N]``."""
+    m, n = x.shape
+    out = torch.empty_like(x)
+    _rms_norm_kernel[(m,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    return out
+
+
+@triton.jit
+def _rope_qkv_kernel(
+    qkv_ptr,  # [M, row_stride]: q heads at col 0, then k heads at q_cols, then v heads
+    row_stride,
+    q_cols,
+    pos_ptr,  # [M] int64: position (= cache slot) of each row
+    cos_ptr,  # [P, D] float32
+    sin_ptr,
+    qn_ptr,  # [D] q norm weight (read only when HAS_NORM)
+    kn_ptr,
+    q_out_ptr,  # [B, H_kv, G*T, D]
+    k_cache_ptr,  # [B, H_kv, S, D] (strides below)
+    v_cache_ptr,
+    cache_b_stride,
+    cache_h_stride,
+    eps,
+    T,
+    H,  # q heads handled here (0: only write K/V)
+    H_KV,
+    G,
+    D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    b = row // T
+    t = row % T
+    half: tl.constexpr = D // 2
+    offs = tl.arange(0, half)
+    pos = tl.load(pos_ptr + row)
+    is_q = head < H
+    kv_head = head - H
+    col = tl.where(is_q, head * D, q_cols + kv_head * D)
+    src = qkv_ptr + row * row_stride + col
+    x1 = tl.load(src + offs)
+    x2 = tl.load(src + half + offs)
+    dtype = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    if HAS_NORM:
+        var = (tl.sum(a1 * a1, axis=0) + tl.sum(a2 * a2, axis=0)) / D
+        r = tl.rsqrt(var + eps)
+        if is_q:
+            w1 = tl.load(qn_ptr + offs)
+            w2 = tl.load(qn_ptr + half + offs)
+        else:
+            w1 = tl.load(kn_ptr + offs)
+            w2 = tl.load(kn_ptr + half + offs)
+        a1 = (w1.to(tl.float32) * (a1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        a2 = (w2.to(tl.float32) * (a2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + pos * D + offs)
+    s = tl.load(sin_ptr + pos * D + offs)
+    o1 = (a1 * c + (-a2) * s).to(dtype)
+    o2 = (a2 * c + a1 * s).to(dtype)
+    if is_q:
+        kvh = head // G
+        g = head % G
+        dst = q_out_ptr + (((b * H_KV + kvh) * G + g) * T + t) * D
+        tl.store(dst + offs, o1)
+        tl.store(dst + half + offs, o2)
+    else:
+        off = b * cache_b_stride + kv_head * cache_h_stride + pos * D
+        tl.store(k_cache_ptr + off + offs, o1)
+        tl.store(k_cache_ptr + off + half + offs, o2)
+        vsrc = qkv_ptr + row * row_stride + q_cols + H_KV * D + kv_head * D
+        tl.store(v_cache_ptr + off + offs, tl.load(vsrc + offs))
+        tl.store(v_cache_ptr + off + half + offs, tl.load(vsrc + half + offs))
+
+
+def rope_qkv_write(
+    qkv: Tensor,  # [M, q_cols + 2 * H_kv * D] contiguous (M = B * T)
+    q_heads: int,  # 0 writes only K/V
+    kv_heads: int,
+    head_dim: int,
+    batch: int,
+    positions: Tensor,  # [M] int64, also the cache slots
+    cos_table: Tensor,  # [P, D] float32
+    sin_table: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    eps: float,
+    k_cache: Tensor,  # [B, H_kv, S, D]
+    v_cache: Tensor,
+) -> Tensor:
+    """Rotate q and k (after q/k RMSNorm when given), write k and v into the cache.
+
+    Returns q as ``[B, H_kv, G*T, D]`` (row ``g*T + t``): the GQA group folded into the query
+    rows, so attention runs as plain multi-head attention over the H_kv cached heads.
+    """
+    m = qkv.shape[0]
+    t = m // batch
+    g = max(q_heads // kv_heads, 1)
+    q_out = torch.empty(batch, kv_heads, g * t, head_dim, dtype=qkv.dtype, device=qkv.device)
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
+    assert v_cache.stride() == k_cache.stride()
+    has_norm = q_norm is not None and k_norm is not None
+    dummy = cos_table
+    _rope_qkv_kernel[(m, q_heads + kv_heads)](
+        qkv,
+        qkv.stride(0),
+        q_heads * head_dim,
+        positions,
+        cos_table,
+        sin_table,
+        q_norm if has_norm else dummy,
+        k_norm if has_norm else dummy,
+        q_out,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        eps,
+        t,
+        q_heads,
+        kv_heads,
+        g,
+        D=head_dim,
+        HAS_NORM=has_norm,
+        num_warps=1,
+    )
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    g = tl.load(gu_ptr + row * 2 * inter + offs, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    out = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    tl.store(out_ptr + row * inter + offs, out, mask=mask)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``gate_up [M, 2I]`` contiguous → ``[M, I]``."""
+    m, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    return out
