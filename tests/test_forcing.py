@@ -85,11 +85,35 @@ def test_near_tie_is_counted_not_failed():
     assert report.mismatches == 1 and not report.ok
 
 
-def test_tolerance_scales_with_dtype_and_logit():
-    assert near_tie_tolerance(torch.bfloat16, 20.0) == pytest.approx(16 * 2**-9 * 20)
-    assert near_tie_tolerance(torch.float16, -20.0) == pytest.approx(16 * 2**-11 * 20)
-    assert near_tie_tolerance(torch.float32, 0.1) == pytest.approx(16 * 2**-24)  # floor at |l| = 1
-    assert near_tie_tolerance(torch.float32, 20.0) < 2e-5
+def test_tolerance_is_the_first_order_rounding_bound():
+    # 2 · u · (sqrt(L + 1) · ‖h‖ · ‖w_a − w_t‖ + |l_a| + |l_t|)
+    assert near_tie_tolerance(torch.bfloat16, 3, 10.0, 2.0, 5.0, -4.0) == pytest.approx(
+        2 * 2**-9 * (2 * 20 + 9)
+    )
+    assert near_tie_tolerance(torch.float32, 30, 50.0, 3.0, 20.0, 19.0) < 2e-4  # SmolLM2-like scale
+    # it grows with depth, with the hidden norm and with the distance between the two LM-head rows
+    base = near_tie_tolerance(torch.float16, 8, 4.0, 1.0, 1.0, 1.0)
+    assert near_tie_tolerance(torch.float16, 32, 4.0, 1.0, 1.0, 1.0) > base
+    assert near_tie_tolerance(torch.float16, 8, 8.0, 1.0, 1.0, 1.0) > base
+    assert near_tie_tolerance(torch.float16, 8, 4.0, 2.0, 1.0, 1.0) > base
+    with pytest.raises(ValueError):
+        near_tie_tolerance(torch.int8, 1, 1.0, 1.0, 1.0, 1.0)
+
+
+def test_mismatch_reports_its_tolerance():
+    cfg = tiny_config(vocab=41)
+    target = tiny_model(cfg, 5)
+    prompt = [1, 2, 3]
+    tokens = SpecEngine(target).generate([prompt], 4)[0].tokens
+    with torch.inference_mode():
+        worst = int(
+            target(torch.tensor([prompt]), target.allocate_cache(1, 8)).logits[0, -1].argmin()
+        )
+    report = force_tokens(target, [("s", prompt, [worst])])
+    first = report.first_mismatch()
+    assert first is not None and 0 < first[1].tolerance < 1e-4  # fp32: a tiny bound
+    assert report.to_dict()["sequences"][0]["first_mismatch"]["tolerance"] == first[1].tolerance
+    assert tokens  # the stock path itself ran
 
 
 def test_ties_resolve_to_the_lowest_id_like_the_stock_path():

@@ -29,7 +29,7 @@ from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, Simulated
 from specpilot.drafters.static_base import StaticDrafter
 from specpilot.drafters.static_draft_model import StaticDraftModel
 from specpilot.engine.static_engine import StaticEngine
-from specpilot.forcing import force_tokens, near_tie_tolerance
+from specpilot.forcing import force_tokens
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import (
     DRAFT_MODEL_FOR_TARGET,
@@ -118,7 +118,7 @@ def forcing_summary(target: Transformer, prompt: list[int], tokens: list[int]) -
         out["first_mismatch"] = {
             "position": m.position,
             "gap": top - m.logit,
-            "tolerance": near_tie_tolerance(target.dtype, top),
+            "tolerance": m.tolerance,
             "top_logit": top,
         }
     return out

@@ -29,6 +29,7 @@ class Mismatch:
     token: int
     logit: float
     top5: list[tuple[int, float]]  # (token id, logit), best first
+    tolerance: float  # the near-tie tolerance at this position; the gap exceeded it
     context_ids: list[int]  # up to 24 tokens before the position
 
 
@@ -104,6 +105,7 @@ class ForcingReport:
                     "token": m.token,
                     "logit": m.logit,
                     "top5": [{"token": t, "logit": lg} for t, lg in m.top5],
+                    "tolerance": m.tolerance,
                     "context_ids": m.context_ids,
                 }
                 if decode is not None:
@@ -126,20 +128,31 @@ def force_sequence(
     cache = target.allocate_cache(1, len(ids))
     dev = target.device
     rows = torch.arange(len(prompt) - 1, len(ids), device=dev)[None, :]  # [1, n]
-    logits = (
-        target(torch.tensor([ids], device=dev), cache, logits_rows=rows).logits[0].float()
-    )  # [n, V]
+    out = target(torch.tensor([ids], device=dev), cache, logits_rows=rows)
+    logits = out.logits[0].float()  # [n, V]
+    assert out.final_hidden is not None
+    hidden = out.final_hidden[0].float()  # [n, hidden]
     want = torch.tensor(list(committed), device=dev)  # [n]
-    top = logits.max(dim=-1)  # values [n], argmax [n]
-    argmax = logits.argmax(dim=-1)
+    argmax = logits.argmax(dim=-1)  # [n]
+    top = logits.gather(1, argmax[:, None]).squeeze(1)  # [n]
     chosen = logits.gather(1, want[:, None]).squeeze(1)  # [n]
-    gaps = (top.values - chosen).tolist()
-    tops = top.values.tolist()
+    gaps = (top - chosen).tolist()
     is_argmax = (argmax == want).tolist()
-    for i, (hit, gap, lmax) in enumerate(zip(is_argmax, gaps, tops, strict=True)):
+    head = target.lm_head  # [V, hidden] (the checkpoint layout)
+    for i, (hit, gap) in enumerate(zip(is_argmax, gaps, strict=True)):
         if hit:
             verdict.matches += 1
-        elif gap <= near_tie_tolerance(target.dtype, lmax):
+            continue
+        a, t = int(argmax[i]), int(want[i])
+        tol = near_tie_tolerance(
+            target.dtype,
+            target.cfg.num_layers,
+            float(hidden[i].norm()),
+            float((head[a].float() - head[t].float()).norm()),
+            float(top[i]),
+            float(chosen[i]),
+        )
+        if gap <= tol:
             verdict.near_ties += 1
             verdict.max_near_tie_gap = max(verdict.max_near_tie_gap, gap)
         else:
@@ -152,6 +165,7 @@ def force_sequence(
                     token=int(committed[i]),
                     logit=float(chosen[i]),
                     top5=list(zip(idx.tolist(), vals.tolist(), strict=True)),
+                    tolerance=tol,
                     context_ids=list(
                         (list(prompt) + list(committed))[max(0, pos_in_ids - 24) : pos_in_ids]
                     ),

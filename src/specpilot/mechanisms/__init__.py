@@ -7,8 +7,9 @@ the tuple below. Nothing else in the engine names it.
 from __future__ import annotations
 
 from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
+from specpilot.mechanisms.w12 import MECHANISM as W12
 
-_ALL: tuple[Mechanism, ...] = ()
+_ALL: tuple[Mechanism, ...] = (W12,)
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
 """Name → mechanism; built once at import, never mutated."""

@@ -25,6 +25,7 @@ from specpilot.models.rope import apply_rope, rope_tables
 class ForwardOutput:
     logits: Tensor  # [B, R, vocab] for the requested rows (R = T when all rows)
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [B, T, hidden]
+    final_hidden: Tensor | None = None  # [B, R, hidden] final-normed input of the LM head
 
 
 def project(x: Tensor, w: Tensor, b: Tensor | None, w_in_out: Tensor | None) -> Tensor:
@@ -54,6 +55,9 @@ class DecoderLayer(nn.Module):
 
         self.cfg = cfg
         self.gemv: dict[str, Tensor] = {}  # name -> [in, out] copy for one-row products (CPU)
+        # Plug point "linear_weights": name -> fn(x [.., in], bias) computing F.linear(x, w, bias)
+        # from another storage of bit-identical weights (e.g. mechanisms/w12.py).
+        self.linear_fns: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {}
         self.input_norm = p(h)
         self.post_attn_norm = p(h)
         self.w_qkv = p(qkv, h)
@@ -79,7 +83,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = project(hn, self.w_qkv, self.b_qkv, self.gemv.get("w_qkv"))  # [B, T, q + 2kv]
+        qkv = self._project("w_qkv", hn, self.b_qkv)  # [B, T, q + 2kv]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(b, t, cfg.num_heads, cfg.head_dim)
         k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -104,12 +108,16 @@ class DecoderLayer(nn.Module):
             is_causal=causal,
             enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )  # [B, H, T, D]
-        x = x + project(
-            attn.transpose(1, 2).reshape(b, t, cfg.q_size), self.w_o, None, self.gemv.get("w_o")
-        )
+        x = x + self._project("w_o", attn.transpose(1, 2).reshape(b, t, cfg.q_size))
         hn = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = project(hn, self.w_gate_up, None, self.gemv.get("w_gate_up")).chunk(2, dim=-1)
-        return x + project(F.silu(gate) * up, self.w_down, None, self.gemv.get("w_down"))
+        gate, up = self._project("w_gate_up", hn).chunk(2, dim=-1)
+        return x + self._project("w_down", F.silu(gate) * up)
+
+    def _project(self, name: str, x: Tensor, b: Tensor | None = None) -> Tensor:
+        fn = self.linear_fns.get(name)
+        if fn is not None:
+            return fn(x, b)
+        return project(x, getattr(self, name), b, self.gemv.get(name))
 
 
 class Transformer(nn.Module):
@@ -265,9 +273,8 @@ class Transformer(nn.Module):
         x, hidden = self._final_hidden(
             tokens, cache, positions, tree_mask, logits_rows, hidden_layers
         )
-        return ForwardOutput(
-            logits=project(x, self.lm_head, None, self.lm_head_in_out), hidden=hidden
-        )
+        logits = project(x, self.lm_head, None, self.lm_head_in_out)
+        return ForwardOutput(logits=logits, hidden=hidden, final_hidden=x)
 
     def forward_argmax(
         self,
