@@ -1,0 +1,441 @@
+"""``y[M, N] = x[M, K] @ W^T (+ b)`` for small M (decode and verify), reading W in W12.
+
+One Triton kernel serves two weight formats so that the bf16 one is the fair baseline for the
+cost of decoding: ``W12=False`` streams a bf16 ``[N, K]`` matrix, ``W12=True`` streams the W12
+byte plane (sign | mantissa), the nibble plane (exponent codes) and the escape records, and
+rebuilds each bf16 weight in registers. Everything else (tiles, loop, split-K, epilogue) is
+shared.
+
+Per program: a ``[BLOCK_M, BLOCK_N]`` output tile over one K range of ``k_split`` columns.
+
+* **Dense loop** over ``BLOCK_K`` columns: load ``x [BLOCK_M, BLOCK_K]`` and the weight tile,
+  decode ``bits = (sign_ext(sm) & 0x807F) | ((top - code) << 7)`` (an escape code 15 decodes to 0
+  when ``ESC_ZERO``, else to the finite placeholder exponent ``top - 15`` with the weight's own
+  sign and mantissa), and accumulate in fp32: ``tl.dot`` on the tensor cores, or, for one row
+  (``USE_DOT=False``), FMAs into a ``[BLOCK_N, BLOCK_K]`` fp32 accumulator reduced once at the end.
+* **Escapes**, once per program after the loop: for each 16-row escape block of the tile, the
+  CSR range of its records is read 32 at a time; each record gives (n, k, exponent), the
+  sign/mantissa byte is re-read from ``sm``, and the escaped weights are put in a ``[32, BLOCK_N]``
+  bf16 tile (zero except at ``(e, n_e)``) that one more ``tl.dot`` multiplies by the gathered
+  activation columns ``x[:, k_e]``. So the escaped terms ``x[m, k_e] * w[n_e, k_e]`` enter the same
+  fp32 accumulator; with ``ESC_ZERO=False`` the placeholder's product is subtracted the same way.
+  Nothing serializes: no prefix sums, no per-weight branch, ~1-3 chunks per program.
+* **Split-K** (when there are too few output tiles to fill the GPU): each split writes its fp32
+  partial; an atomic per-tile counter (``acq_rel``) elects the last split, which sums the partials
+  in split order (deterministic), adds the bias, rounds to bf16 once and resets the counter, so
+  the whole product is one launch and the counters need no memset.
+
+Exactness: the decoded tile is bit for bit the bf16 weight (or 0 / the placeholder at escapes),
+a bf16×bf16 product is exact in fp32, and every product ``x[m, k] * w[n, k]`` enters one fp32 sum
+exactly once (plus, with ``ESC_ZERO=False``, an exactly cancelling pair ``±x·p`` with
+``|p| < 2^-14 · max|w|``). The result therefore differs from ``F.linear`` on the decoded weights only
+by the order of the fp32 additions (cuBLAS also picks its order per shape), i.e. by at most
+``γ_K · Σ_k |x_k w_k|`` before the final bf16 rounding (γ_K ≈ K · 2^-24); tests check
+``|y - y_exact| ≤ 2^-8 |y_exact| + K · 2^-23 · Σ|x||w|`` against an fp64 product.
+Non-finite activations give non-finite outputs in both, though Inf against NaN may differ.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, W12Tensor, decode
+
+ESC_CHUNK = 32
+"""Escape records handled per inner step (the K size of the correction ``tl.dot``)."""
+MAX_SPLIT_K = 16
+"""Upper bound on K splits (the last split sums at most this many partials, unrolled)."""
+MAX_COUNTER_TILES_M = 4
+"""Split-K is used only for M <= 64 (= 4 tiles of 16 rows at most): sizes the counter buffer."""
+
+
+@triton.jit
+def _decode_bits(sm, code, top, ESC_ZERO: tl.constexpr):
+    """``sm`` int32 sign-extended bytes, ``code`` int32 in 0..15 -> bf16 bit patterns in int32."""
+    bits = (sm & 0x807F) | ((top << 7) - code * 128)  # one IMAD + one LOP3 per weight
+    if ESC_ZERO:
+        bits = tl.where(code == 15, 0, bits)
+    return bits
+
+
+@triton.jit
+def _bits_to_f32(bits):
+    """bf16 bit patterns (int32, low 16 bits) -> the same values in fp32, exactly."""
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_to_f32(v):
+    """bf16 -> fp32 by moving bits (exact; also right in the interpreter, whose casts are not)."""
+    return _bits_to_f32(v.to(tl.int16, bitcast=True).to(tl.int32))
+
+
+@triton.jit
+def _bits_to_operand(bits, INTERPRET: tl.constexpr):
+    """Bit patterns -> a ``tl.dot`` operand: bf16 on the GPU; exact fp32 in the interpreter,
+    whose ``dot`` multiplies the raw uint16 storage of bf16."""
+    if INTERPRET:
+        return _bits_to_f32(bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _x_operand(x, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return _bf16_to_f32(x)
+    return x
+
+
+@triton.jit
+def _f32_to_bf16(v, INTERPRET: tl.constexpr):
+    """Round to nearest even (the interpreter's own cast rounds half up and drops carries)."""
+    if INTERPRET:
+        b = v.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        is_nan = v != v
+        r = tl.where(is_nan, (b >> 16) | 0x40, r)  # keep NaN a (quiet) NaN
+        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _k_step(
+    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
+    K, half_k, top, W12: tl.constexpr, ESC_ZERO: tl.constexpr, USE_DOT: tl.constexpr,
+    EVEN: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_K`` step of the dense loop: load x and the weight tile, decode, accumulate."""
+    ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+    if W12:
+        kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2]
+        sm_ptrs = sm_ptr + offs_n[:, None] * K + ks[None, :]
+        cb_ptrs = codes_ptr + offs_n[:, None] * half_k + kh[None, :]
+        if EVEN:
+            sm = tl.load(sm_ptrs)
+            cb = tl.load(cb_ptrs)
+        else:
+            sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0)
+            cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (2 * kh[None, :] < k_hi), other=255)
+        cbi = cb.to(tl.int32)
+        code = tl.interleave(cbi & 0xF, cbi >> 4)  # [BN, BK]
+        smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
+        bits = _decode_bits(smi, code, top, ESC_ZERO)  # [BN, BK]
+        if USE_DOT:
+            acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_bits_to_operand(bits, INTERPRET)), acc)
+        else:  # BLOCK_M == 1
+            acc += _bits_to_f32(bits) * _bf16_to_f32(x)
+    else:
+        w_ptrs = w_ptr + offs_n[:, None] * K + ks[None, :]
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0.0)
+        if USE_DOT:
+            acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_x_operand(w, INTERPRET)), acc)
+        else:
+            acc += _bf16_to_f32(w) * _bf16_to_f32(x)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "top", "split"])  # one compile serves every M <= BLOCK_M
+def _linear_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    w_ptr,  # [N, K] bf16 (W12=False)
+    sm_ptr,  # [N, K] uint8 (W12=True)
+    codes_ptr,  # [N, ceil(K/2)] uint8
+    off_ptr,  # [ceil(N/16) + 1] int32
+    rec_ptr,  # [n_esc] int32
+    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    y_ptr,  # [M, N] bf16, row stride stride_ym
+    part_ptr,  # [split, M, N] fp32 (split > 1)
+    count_ptr,  # [tiles] int32, zero between calls (split > 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    top,
+    k_split,  # columns per split, a multiple of BLOCK_K
+    split,  # number of splits (grid dim 2)
+    W12: tl.constexpr,
+    ESC_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no N/K masks in the loop
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ESC_BLOCK_ROWS: tl.constexpr,
+    ESC_STEP: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    half_k = (K + 1) // 2
+
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # BLOCK_M == 1: per-lane partial sums, reduced once after the loop
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if INTERPRET:  # the CPU interpreter cannot take a runtime range() bound (numpy >= 2)
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _k_step(
+                acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
+                codes_ptr, K, half_k, top, W12, ESC_ZERO, USE_DOT, EVEN, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+            k0 += BLOCK_K
+    else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _k_step(
+                acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
+                codes_ptr, K, half_k, top, W12, ESC_ZERO, USE_DOT, EVEN, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
+
+    if W12:  # add the escaped weights' products (and remove the placeholders')
+        n_blocks = (N + ESC_BLOCK_ROWS - 1) // ESC_BLOCK_ROWS
+        for r in tl.static_range(BLOCK_N // ESC_BLOCK_ROWS):
+            blk = pid_n * (BLOCK_N // ESC_BLOCK_ROWS) + r
+            start = tl.load(off_ptr + blk, mask=blk < n_blocks, other=0)
+            end = tl.load(off_ptr + blk + 1, mask=blk < n_blocks, other=0)
+            e0 = start
+            while e0 < end:  # usually 0-2 steps; a while loop also runs in the interpreter
+                idx = e0 + tl.arange(0, ESC_STEP)  # [E]
+                e0 += ESC_STEP
+                rec = tl.load(rec_ptr + idx, mask=idx < end, other=0)
+                pos = rec >> 8
+                n_e = blk * ESC_BLOCK_ROWS + pos // K  # [E]
+                k_e = pos % K
+                e_ok = (idx < end) & (k_e >= k_lo) & (k_e < k_hi)
+                sme = tl.load(sm_ptr + n_e * K + k_e, mask=e_ok, other=0)
+                sm_bits = sme.to(tl.int8, bitcast=True).to(tl.int32) & 0x807F  # [E]
+                w_bits = sm_bits | ((rec & 0xFF) << 7)  # [E] the escaped weights
+                hit = (n_e[:, None] == offs_n[None, :]) & e_ok[:, None]  # [E, BN]
+                x_mask = m_ok[:, None] & e_ok[None, :]
+                xg = tl.load(
+                    x_ptr + offs_m[:, None] * stride_xm + k_e[None, :], mask=x_mask, other=0.0
+                )  # [BM, E]
+                if not ESC_ZERO:  # also subtract the placeholder the dense loop used
+                    p_bits = sm_bits | ((top - 15) << 7)
+                if USE_DOT:
+                    fix = _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET)
+                    acc = tl.dot(_x_operand(xg, INTERPRET), fix, acc)  # [BM, BN]
+                    if not ESC_ZERO:
+                        neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
+                        acc = tl.dot(
+                            _x_operand(xg, INTERPRET), _bits_to_operand(neg_p, INTERPRET), acc
+                        )
+                else:  # BLOCK_M == 1
+                    xe = tl.reshape(_bf16_to_f32(xg), (ESC_STEP,))  # [E]
+                    prod = xe * _bits_to_f32(w_bits)  # exact in fp32
+                    acc += tl.reshape(
+                        tl.sum(tl.where(hit, prod[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
+                    )
+                    if not ESC_ZERO:
+                        prod_p = xe * _bits_to_f32(p_bits)
+                        acc -= tl.reshape(
+                            tl.sum(tl.where(hit, prod_p[:, None], 0.0), axis=0),
+                            (BLOCK_M, BLOCK_N),
+                        )
+
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if split == 1:
+        if HAS_BIAS:
+            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
+    else:
+        tile_off = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(MAX_SPLIT):
+                if s < split:
+                    total += tl.load(
+                        part_ptr + s * M * N + tile_off,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+            if HAS_BIAS:
+                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GemmConfig:
+    """Tiling of one launch (the same for the bf16 and the W12 kernel)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 0
+    """Number of K splits; 0 picks enough to give every SM about two programs."""
+    use_dot: bool = True
+    """False: one-row FMA GEMV (only used when M == 1)."""
+
+    def __post_init__(self) -> None:
+        if self.block_n % ESC_ROWS or self.block_n < ESC_ROWS:
+            raise ValueError(f"block_n must be a multiple of {ESC_ROWS}, got {self.block_n}")
+        if self.block_k < 32 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k must be a power of two >= 32, got {self.block_k}")
+
+
+def default_config(m: int, n: int, k: int) -> GemmConfig:
+    """A reasonable tiling before any tuning (the GPU script measures alternatives)."""
+    if m == 1:
+        return GemmConfig(block_n=32, block_k=256, num_warps=4, use_dot=False)
+    if m <= 16:
+        return GemmConfig(block_n=64, block_k=256, num_warps=4)
+    return GemmConfig(block_n=64, block_k=128, num_warps=4)
+
+
+def _block_m(m: int, cfg: GemmConfig) -> int:
+    if not cfg.use_dot:
+        return 1
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+def _split(m: int, n: int, k: int, cfg: GemmConfig, device: torch.device) -> tuple[int, int]:
+    """``(split, k_split)`` with ``k_split`` a multiple of ``block_k``."""
+    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
+    if m > 16 * MAX_COUNTER_TILES_M:
+        want = 1
+    elif cfg.split_k:
+        want = cfg.split_k
+    else:
+        want = max(1, (2 * _num_sms(device)) // tiles)
+    want = max(1, min(want, triton.cdiv(k, cfg.block_k), MAX_SPLIT_K))
+    k_split = triton.cdiv(triton.cdiv(k, want), cfg.block_k) * cfg.block_k
+    return triton.cdiv(k, k_split), k_split
+
+
+def counter_buffer(n: int, device: torch.device) -> Tensor:  # [tiles] int32 zeros
+    """Split-K arrival counters for one weight (any config with block_n >= 16, M <= 64)."""
+    return torch.zeros(
+        triton.cdiv(n, ESC_ROWS) * MAX_COUNTER_TILES_M, dtype=torch.int32, device=device
+    )
+
+
+def _launch(
+    x: Tensor,  # [M, K] bf16
+    n: int,
+    w_bf16: Tensor | None,  # [N, K] bf16
+    w12: W12Tensor | None,
+    bias: Tensor | None,  # [N]
+    counters: Tensor,  # [tiles] int32
+    cfg: GemmConfig,
+    esc_zero: bool,
+) -> Tensor:  # [M, N] bf16
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError("x must be bf16 with unit stride along K")
+    if not cfg.use_dot and m != 1:
+        raise ValueError("the FMA GEMV config (use_dot=False) takes one row")
+    bm = _block_m(m, cfg)
+    split, k_split = _split(m, n, k, cfg, x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
+    if split > 1 and grid[0] * grid[1] > counters.numel():
+        raise ValueError("counter buffer too small for this split-K launch")
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = (  # [split, M, N]; a never-written fp32 stand-in keeps one specialization for split 1
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        if split > 1
+        else counters.view(torch.float32)
+    )
+    even = n % cfg.block_n == 0 and k % k_split == 0
+    if w12 is not None:
+        sm, codes, offs, recs, top = w12.sm, w12.codes, w12.esc_offsets, w12.esc_records, w12.top
+        w_arg: Tensor = sm
+        if recs.numel() == 0:
+            recs = offs  # never read (every CSR range is empty) but must be a valid pointer
+    else:
+        assert w_bf16 is not None
+        w_arg, sm, codes, offs, recs, top = w_bf16, x, x, x, x, 0
+    _linear_kernel[grid](
+        x, w_arg, sm, codes, offs, recs,
+        bias if bias is not None else x, y, part, counters,
+        m, n, k, x.stride(0), y.stride(0), top, k_split, split,
+        W12=w12 is not None, ESC_ZERO=esc_zero, HAS_BIAS=bias is not None,
+        USE_DOT=cfg.use_dot, EVEN=even, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ESC_BLOCK_ROWS=ESC_ROWS, ESC_STEP=ESC_CHUNK, MAX_SPLIT=MAX_SPLIT_K,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def w12_matmul(
+    x: Tensor,  # [M, K] bf16
+    w: W12Tensor,  # [N, K]
+    counters: Tensor,  # from counter_buffer(N)
+    bias: Tensor | None = None,  # [N] bf16
+    cfg: GemmConfig | None = None,
+    esc_zero: bool = True,
+) -> Tensor:  # [M, N] bf16
+    """``x @ decode(w)^T (+ bias)`` with the weights decoded in registers."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K = {x.shape[-1]}, the weight has K = {k}")
+    cfg = cfg or default_config(x.shape[0], n, k)
+    return _launch(x, n, None, w, bias, counters, cfg, esc_zero)
+
+
+def bf16_matmul(
+    x: Tensor,  # [M, K] bf16
+    w: Tensor,  # [N, K] bf16 contiguous
+    counters: Tensor,
+    bias: Tensor | None = None,
+    cfg: GemmConfig | None = None,
+) -> Tensor:  # [M, N] bf16
+    """The same kernel reading plain bf16 weights: the baseline for the cost of decoding."""
+    n, k = w.shape
+    if not w.is_contiguous():
+        raise ValueError("w must be contiguous [N, K]")
+    cfg = cfg or default_config(x.shape[0], n, k)
+    return _launch(x, n, w, None, bias, counters, cfg, True)
+
+
+def w12_matmul_reference(x: Tensor, w: W12Tensor, bias: Tensor | None = None) -> Tensor:
+    """Torch reference: decode to bf16, then ``F.linear``."""
+    return F.linear(x, decode(w), bias)
+
+
+__all__ = [
+    "ESCAPE",
+    "GemmConfig",
+    "bf16_matmul",
+    "counter_buffer",
+    "default_config",
+    "w12_matmul",
+    "w12_matmul_reference",
+]

@@ -1,0 +1,163 @@
+"""W12: the target's linear layers read ~12-bit lossless weights, decoded inside the GEMM.
+
+In a memory-bound decode or verify step (M = 1..64 rows) a linear layer's time is the time to
+stream its weights; W12 (``w12_format.py``) stores each bf16 weight in 8 + 4 bits plus ≈0.01 bits
+of escape metadata, and the Triton kernel (``kernels/w12_gemm.py``) rebuilds the bf16 values in
+registers, so ~25% fewer bytes cross HBM (cap 16/12 = 1.33×).
+
+Plug point ``linear_weights``: ``apply`` encodes each selected matrix of every decoder layer
+(``w_qkv``, ``w_o``, ``w_gate_up``, ``w_down``), checks ``decode(encode(w))`` against ``w`` bit for
+bit, and installs a callable in ``DecoderLayer.linear_fns`` that ``DecoderLayer._project`` uses in
+place of ``F.linear``. Component ``mlp``: the MLP holds ~2/3 of a Llama layer's weight bytes; the
+``layers`` knob extends it to the attention projections (``attn_proj``) too. The LM head and the
+embeddings are untouched (the LM head has its own plug point). The bf16 parameters stay in place:
+rows beyond ``max_m`` (prefill) use ``F.linear`` on them, and anything that reads the parameters
+directly (e.g. the static CUDA-graph forward, which calls ``F.linear`` itself) is unaffected.
+
+Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
+1. *Bit-identical weights.* W12 stores sign and mantissa verbatim and every exponent either as a
+   window code or, for an escape, verbatim; ``apply`` verifies the round trip on the device before
+   installing anything, so the values the kernel multiplies are exactly the checkpoint's bf16
+   weights (any bit pattern: NaN, ±Inf, denormals, -0.0).
+2. *Exact products, fp32 sums.* A bf16×bf16 product is exact in fp32, and each product
+   ``x[m,k]·w[n,k]`` enters one fp32 accumulator exactly once (escapes through a separate small
+   ``tl.dot`` into the same accumulator; with ``escape_mode=cancel`` plus an exactly cancelling
+   pair of terms ``±x·p``, |p| ≤ 2^-14·max|w|), rounded to bf16 once at the end, bias added in
+   fp32 before that rounding, as cuBLAS does.
+3. So the output differs from the stock ``F.linear`` only by the order of fp32 additions, which
+   cuBLAS itself changes with the shape and the GPU (bound γ_K·Σ|x·w|, γ_K ≈ K·2^-24, before the
+   final bf16 rounding). That is exactly the reduction-order freedom the near-tie tolerance covers
+   (bf16 outputs are never forced to be bitwise equal to another kernel's), and the token-forcing
+   gate still counts every near-tie and fails on any mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpilot.errors import SpecPilotError
+from specpilot.kernels import triton_usable
+from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
+
+if TYPE_CHECKING:
+    from specpilot.engine.build import EngineBuild
+    from specpilot.models.transformer import Transformer
+
+LAYER_SETS = {
+    "all": ("w_qkv", "w_o", "w_gate_up", "w_down"),
+    "mlp": ("w_gate_up", "w_down"),
+    "attn": ("w_qkv", "w_o"),
+}
+
+
+class W12Linear:
+    """``fn(x [.., K], bias [N] | None) -> [.., N]``: F.linear over a W12 copy of ``weight``."""
+
+    def __init__(self, weight: Tensor, max_m: int, esc_zero: bool) -> None:
+        from specpilot.kernels.w12_gemm import counter_buffer
+
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise SpecPilotError("W12 applies to 2-D bf16 weights only; load the model in bf16.")
+        self.weight = weight  # [N, K] bf16: the stock parameter (kept for M > max_m)
+        self.w12: W12Tensor = encode(weight.detach())
+        if not torch.equal(decode(self.w12).view(torch.int16), weight.detach().view(torch.int16)):
+            raise SpecPilotError("W12 round trip changed a weight; refusing to install it.")
+        self.max_m = max_m
+        self.esc_zero = esc_zero
+        self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        from specpilot.kernels.w12_gemm import w12_matmul
+
+        n, k = self.w12.shape
+        x2 = x.reshape(-1, k)  # [M, K]
+        if x2.shape[0] == 0 or x2.shape[0] > self.max_m or x.dtype != torch.bfloat16:
+            return F.linear(x, self.weight, bias)
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        y = w12_matmul(x2, self.w12, self.counters, bias, esc_zero=self.esc_zero)  # [M, N]
+        return y.view(*x.shape[:-1], n)
+
+
+def install(
+    model: Transformer, layers: str = "all", max_m: int = 64, escape_mode: str = "zero"
+) -> dict[str, float]:
+    """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts."""
+    from specpilot.models.transformer import DecoderLayer
+
+    if model.dtype != torch.bfloat16:
+        raise SpecPilotError("W12 is a bf16 weight format; load the target with --dtype bf16.")
+    if not triton_usable(model.device):
+        raise SpecPilotError("W12 needs Triton on a CUDA GPU (or TRITON_INTERPRET=1 for tests).")
+    names = LAYER_SETS[layers]
+    stored_bits = weights = escapes = 0.0
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        for name in names:
+            lin = W12Linear(getattr(layer, name), max_m, escape_mode == "zero")
+            layer.linear_fns[name] = lin
+            n, k = lin.w12.shape
+            stored_bits += 8.0 * lin.w12.nbytes()
+            weights += n * k
+            escapes += lin.w12.num_escapes
+    return {
+        "bits_per_weight": stored_bits / max(weights, 1.0),
+        "escape_frac": escapes / max(weights, 1.0),
+    }
+
+
+def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    stats = install(
+        build.target.model,
+        layers=knobs["layers"],
+        max_m=knobs["max_m"],
+        escape_mode=knobs["escape_mode"],
+    )
+    build.notes.append(
+        f"w12: {stats['bits_per_weight']:.3f} bits/weight, {100 * stats['escape_frac']:.4f}% escapes"
+    )
+
+
+MECHANISM = Mechanism(
+    name="w12",
+    component="mlp",
+    plug_point="linear_weights",
+    lossless=(
+        "Weights stored losslessly (sign+mantissa verbatim, exponent as a window code or an escaped "
+        "verbatim byte; round trip checked bit for bit at install) and decoded in registers; every "
+        "exact bf16×bf16 product enters one fp32 sum, so outputs differ from F.linear only in fp32 "
+        "addition order, which the near-tie tolerance covers. Argument in mechanisms/w12.py."
+    ),
+    apply=_apply,
+    knobs=(
+        Knob(
+            "layers",
+            "all",
+            choices=tuple(LAYER_SETS),
+            doc="which decoder matrices read W12: all, the MLP (gate_up, down) or attention (qkv, o)",
+        ),
+        Knob(
+            "max_m",
+            64,
+            low=1,
+            high=64,
+            doc="rows per call up to which the W12 kernel runs; more rows (prefill) use F.linear",
+        ),
+        Knob(
+            "escape_mode",
+            "zero",
+            choices=("zero", "cancel"),
+            doc="escapes decode to 0 (one select per weight) or to a tiny placeholder cancelled later",
+        ),
+    ),
+    applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),
+    summary="lossless ~12-bit weights (sign+mantissa+4-bit exponent code), decoded in the GEMM",
+)
+
+__all__ = ["LAYER_SETS", "MECHANISM", "W12Linear", "install"]
