@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from specpilot import __version__
-from specpilot.commands import bench, generate, memory, models, serve, tune, verify
+from specpilot.commands import bench, generate, memory, models, profile, serve, tune, verify
 from specpilot.errors import SpecPilotError
 
 COMMANDS = {
@@ -16,6 +16,7 @@ COMMANDS = {
     "verify": verify,
     "models": models,
     "serve": serve,
+    "profile": profile,
     "tune": tune,
     "memory": memory,
 }
