@@ -52,6 +52,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5, help="timing rounds per component")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--path", choices=["static", "eager"], default="static", help="forward timed per component"
+    )
+    ap.add_argument(
+        "--no-graphs", action="store_true", help="time components without CUDA graph capture"
+    )
     args = ap.parse_args(argv)
     t = args.tiny
     args.shape = args.shape or ("tiny-llama" if t else "llama3-8b")
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     curve = AcceptanceCurve.from_stats(spec_res.stats, source="simulated")
     context = args.prompt_len + n // 2
     k = block.k
-    fwd = measure_forwards(target, [1, k + 1], context, "static", args.rounds)
+    fwd = measure_forwards(
+        target, [1, k + 1], context, args.path, args.rounds, graphs=not args.no_graphs
+    )
     acc_ar = time_device_accept(0, dev)
     print(f"[profile_gpu] components {time.perf_counter() - start:.0f}s", flush=True)
 

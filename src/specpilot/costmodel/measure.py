@@ -121,6 +121,7 @@ class ForwardTimer:
         context: int,
         path: str = "eager",
         clock: str = "wall",
+        graphs: bool = True,
     ) -> None:
         if path not in ("eager", "static"):
             raise ValueError(f"path must be eager or static, got {path!r}")
@@ -136,7 +137,7 @@ class ForwardTimer:
                     else static_pieces(model, w, context)
                 )
                 fns = {**pieces.components, "__forward__": pieces.forward}
-                if path == "static" and self.device.type == "cuda":
+                if path == "static" and self.device.type == "cuda" and graphs:
                     fns = {name: _graph(fn, self.device) for name, fn in fns.items()}
                 for fn in fns.values():  # warm-up
                     fn()
@@ -178,8 +179,9 @@ def measure_forwards(
     path: str = "eager",
     rounds: int = 5,
     clock: str = "wall",
+    graphs: bool = True,
 ) -> dict[int, ForwardTimes]:
-    timer = ForwardTimer(model, widths, context, path, clock)
+    timer = ForwardTimer(model, widths, context, path, clock, graphs)
     for _ in range(rounds):
         timer.round()
     return timer.results()
