@@ -11,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from specpilot.drafters.base import DraftProposal
+from specpilot.drafters.tree import TreeNode, TreeProposal, TreeShape, empty_trees, pack_trees
 from specpilot.errors import IncompatibleDrafterError
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.transformer import Transformer
@@ -35,9 +37,10 @@ class DraftModelDrafter:
         self.k = k
         self._cache: KVCache | None = None
         self._fed: list[list[int]] = []  # per row: the tokens whose KV is in the cache
+        self._room = k  # slots needed past the context per call (k, or a tree's node count)
 
     def start(self, contexts: Sequence[Sequence[int]]) -> None:
-        need = max(len(c) for c in contexts) + 4 * self.k + 8
+        need = max(len(c) for c in contexts) + 4 * self._room + 8
         b = len(contexts)
         cache = self._cache
         if cache is None or cache.batch_size != b or cache.max_seq_len < need:
@@ -48,12 +51,12 @@ class DraftModelDrafter:
 
     def ensure_capacity(self, max_context: int) -> None:
         """Grow the cache (copying nothing: the drafter re-prefills) if a context outgrows it."""
-        if self._cache is not None and max_context + self.k + 2 > self._cache.max_seq_len:
+        if self._cache is not None and max_context + self._room + 2 > self._cache.max_seq_len:
             self._cache = None
             self._fed = [[] for _ in self._fed]
 
-    @torch.inference_mode()
-    def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
+    def _feed(self, contexts: Sequence[Sequence[int]]) -> Tensor:
+        """Reconcile the cache with ``contexts``, feed the new tails; logits ``[B, 1, V]`` after each."""
         self.ensure_capacity(max(len(c) for c in contexts))
         if self._cache is None:
             self.start(contexts)
@@ -83,7 +86,15 @@ class DraftModelDrafter:
         for row, tail in enumerate(tails):
             cache.commit(row, int(cache.lengths[row]) + len(tail))
             self._fed[row].extend(tail)
+        return logits
 
+    @torch.inference_mode()
+    def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
+        logits = self._feed(contexts)  # [B, 1, V]
+        cache = self._cache
+        assert cache is not None
+        dev = self.model.device
+        b = len(contexts)
         steps = min(self.k, max(max_lens)) if max_lens else self.k
         drafts = torch.zeros(b, max(steps, 0), dtype=torch.int64, device=dev)
         for i in range(steps):
@@ -97,3 +108,88 @@ class DraftModelDrafter:
             self._fed[row].extend(fed_drafts[row])
         lengths = [max(0, min(steps, m)) for m in max_lens]
         return DraftProposal(tokens=drafts, lengths=lengths)
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int], shape: TreeShape
+    ) -> TreeProposal:
+        """Top-``branch`` children per frontier node, the best ``widths[d]`` kept per depth.
+
+        Nodes are ranked by the drafter's cumulative log-probability along their path (ties: the
+        earlier parent, then the likelier token). Each depth is one forward of the draft model over
+        every node so far (tree mask, positions by depth), reading logits at the frontier only; the
+        tree's KV is never committed, so the next call starts from the context again.
+        """
+        b = len(contexts)
+        depth = min(shape.depth, max(max_lens, default=0))
+        if depth <= 0:
+            return empty_trees(b)
+        self._room = max(self.k, shape.max_nodes)  # the tree's nodes sit past the context
+        logits = self._feed(contexts)[:, 0].float()  # [B, V]
+        cache = self._cache
+        assert cache is not None
+        dev = self.model.device
+        rows: list[list[TreeNode]] = [[] for _ in range(b)]
+        scores: list[list[float]] = [[] for _ in range(b)]
+        frontier: list[list[int]] = [[-1] for _ in range(b)]  # node ids whose children come next
+        front_logits = logits[:, None, :]  # [B, F, V]
+        for d in range(1, depth + 1):
+            logp = torch.log_softmax(front_logits, dim=-1)  # [B, F, V]
+            top_lp, top_tok = logp.topk(shape.branch, dim=-1)  # [B, F, branch]
+            top_lp_l, top_tok_l = top_lp.tolist(), top_tok.tolist()
+            new_frontier: list[list[int]] = [[] for _ in range(b)]
+            for row in range(b):
+                room = min(shape.widths[d - 1], shape.max_nodes - len(rows[row]))
+                if d > max_lens[row] or room <= 0:
+                    continue
+                cands = []
+                for f, parent in enumerate(frontier[row]):
+                    base = scores[row][parent] if parent >= 0 else 0.0
+                    for j in range(shape.branch):
+                        cands.append((base + top_lp_l[row][f][j], f, j, parent))
+                cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+                for score, f, j, parent in cands[:room]:
+                    node = len(rows[row])
+                    rows[row].append(TreeNode(token=top_tok_l[row][f][j], parent=parent, depth=d))
+                    scores[row].append(score)
+                    if parent >= 0:
+                        rows[row][parent].children.append(node)
+                    new_frontier[row].append(node)
+            frontier = new_frontier
+            if d == depth or not any(frontier):
+                break
+            front_logits = self._tree_logits(rows, frontier, cache, dev)
+        return pack_trees(rows)
+
+    def _tree_logits(
+        self,
+        rows: list[list[TreeNode]],
+        frontier: list[list[int]],
+        cache: KVCache,
+        dev: torch.device,
+    ) -> Tensor:  # [B, F, V] float32 logits at the frontier nodes (padded rows repeat node 0)
+        """One draft forward over every node so far, attending to ancestors only."""
+        b = len(rows)
+        n = max(len(r) for r in rows)
+        f = max(max(len(fr) for fr in frontier), 1)
+        tokens = torch.zeros(b, n, dtype=torch.int64)
+        positions = torch.zeros(b, n, dtype=torch.int64)
+        mask = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)  # [B, N, N]
+        rows_out = torch.zeros(b, f, dtype=torch.int64)
+        for row, nodes in enumerate(rows):
+            base = int(cache.lengths[row]) - 1  # position of depth 1 = len(context)
+            for i, nd in enumerate(nodes):
+                tokens[row, i] = nd.token
+                positions[row, i] = base + nd.depth
+                if nd.parent >= 0:
+                    mask[row, i] |= mask[row, nd.parent]
+            for j, node in enumerate(frontier[row]):
+                rows_out[row, j] = node
+        logits = self.model(
+            tokens.to(dev),
+            cache,
+            positions=positions.to(dev),
+            tree_mask=mask.to(dev),
+            logits_rows=rows_out.to(dev),
+        ).logits  # [B, F, V]
+        return logits.float()

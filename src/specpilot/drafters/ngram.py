@@ -13,12 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from specpilot.drafters.base import DraftProposal
+from specpilot.drafters.tree import TreeProposal, TreeShape, TrieBuilder, empty_trees, pack_trees
+
+RECENT_OCCURRENCES = 8
+"""Occurrences per n-gram remembered for trees (most recent first); the chain needs only one."""
 
 
 @dataclass(slots=True)
 class _RowIndex:
     indexed: int = 0  # grams ending at positions < indexed are in `last`
     last: dict[tuple[int, ...], int] = field(default_factory=dict)  # gram -> position after it
+    tree_indexed: int = 0  # like `indexed`, for `recent` (built only when trees are asked for)
+    recent: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # gram -> positions
 
 
 class NgramDrafter:
@@ -56,6 +62,46 @@ class NgramDrafter:
             if pos is not None:
                 return list(ctx[pos : pos + limit])
         return []
+
+    def _index_recent(self, row: _RowIndex, ctx: Sequence[int]) -> None:
+        end = len(ctx) - 1
+        for j in range(max(row.tree_indexed, 1), end + 1):
+            for n in range(self.min_n, self.max_n + 1):
+                if j - n >= 0:
+                    seen = row.recent.setdefault(tuple(ctx[j - n : j]), [])
+                    seen.append(j)
+                    if len(seen) > RECENT_OCCURRENCES:
+                        del seen[0]
+        row.tree_indexed = max(row.tree_indexed, end + 1)
+
+    def lookup_tree(
+        self, row: _RowIndex, ctx: Sequence[int], shape: TreeShape, limit: int
+    ) -> TrieBuilder:
+        """Continuations of every suffix match — longest n first, then most recent — as a trie.
+
+        The first one inserted is what :meth:`lookup` proposes, so the tree's first path is the
+        chain proposal (the tree never accepts less than the chain of the same depth).
+        """
+        self._index_recent(row, ctx)
+        trie = TrieBuilder(shape, limit)
+        for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+            for pos in reversed(row.recent.get(tuple(ctx[len(ctx) - n :]), [])):
+                if trie.full:
+                    return trie
+                trie.insert(ctx[pos : pos + trie.max_depth])
+        return trie
+
+    def propose_tree(
+        self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int], shape: TreeShape
+    ) -> TreeProposal:
+        """Several candidate continuations per row, merged into one tree under ``shape``."""
+        if max(max_lens, default=0) <= 0:
+            return empty_trees(len(contexts))
+        tries = [
+            self.lookup_tree(row, ctx, shape, m)
+            for row, ctx, m in zip(self._rows, contexts, max_lens, strict=True)
+        ]
+        return pack_trees([t.nodes for t in tries])
 
     def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
         drafts = [

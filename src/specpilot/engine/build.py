@@ -12,6 +12,7 @@ from typing import Any
 from specpilot.drafters.base import Drafter
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.loop import SpecEngine, VerifyFn
+from specpilot.engine.strategy import VerifyStrategy
 from specpilot.engine.verify import greedy_verify
 from specpilot.errors import SpecPilotError
 from specpilot.runtime import LoadedModel, build_drafter, load_model, parse_device, parse_dtype
@@ -26,11 +27,15 @@ class EngineBuild:
     draft_model: LoadedModel | None
     drafter: Drafter | None
     verify_fn: VerifyFn = greedy_verify
+    strategy: VerifyStrategy | None = None
+    """Verify strategy (plug point ``verify_strategy``); None = the chain with ``verify_fn``."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
 
     def engine(self) -> SpecEngine:
-        return SpecEngine(self.target.model, self.drafter, verify_fn=self.verify_fn)
+        return SpecEngine(
+            self.target.model, self.drafter, verify_fn=self.verify_fn, strategy=self.strategy
+        )
 
     def stock_engine(self) -> SpecEngine:
         """Plain AR over the same weights: the baseline for speedups."""

@@ -5,6 +5,9 @@ Each cycle: the drafter proposes up to k tokens per row; the target runs once on
 committed tokens are appended, stop conditions are applied (EOS or the length limit may fall
 in the middle of a draft), and the KV cache is committed to the new length (rejected entries
 are simply left behind to be overwritten). With no drafter (k = 0) every cycle is one AR step.
+
+Propose/verify/accept/KV-commit go through a :class:`~specpilot.engine.strategy.VerifyStrategy`
+(the ``verify_strategy`` plug point): the chain above by default, or e.g. a tree.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter, DraftProposal
+from specpilot.drafters.base import Drafter
 from specpilot.engine.stats import AcceptanceStats
-from specpilot.engine.verify import VerifyOutcome, greedy_verify
+from specpilot.engine.strategy import ChainStrategy, VerifyFn, VerifyStrategy
+from specpilot.engine.verify import greedy_verify
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.transformer import Transformer
 
-VerifyFn = Callable[[Tensor, Tensor, Tensor], VerifyOutcome]
+__all__ = ["GenerationResult", "PhaseTimes", "SpecEngine", "VerifyFn"]
 
 
 @dataclass(slots=True)
@@ -56,10 +60,12 @@ class SpecEngine:
         drafter: Drafter | None = None,
         verify_fn: VerifyFn = greedy_verify,
         time_phases: bool = False,
+        strategy: VerifyStrategy | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.verify_fn = verify_fn
+        self.strategy: VerifyStrategy = strategy or ChainStrategy(verify_fn)
         self.time_phases = time_phases
         self.times = PhaseTimes()
         self._cache: KVCache | None = None
@@ -67,6 +73,11 @@ class SpecEngine:
     @property
     def k(self) -> int:
         return 0 if self.drafter is None else self.drafter.k
+
+    @property
+    def verify_width(self) -> int:
+        """Most drafted tokens one verify forward feeds per row (chain: k; tree: nodes)."""
+        return self.strategy.width(self.drafter)
 
     def _clock(self) -> float:
         if self.time_phases and self.target.device.type == "cuda":
@@ -105,7 +116,7 @@ class SpecEngine:
         for p in prompts:
             self.check_fits(len(p), max_new_tokens)
         target, dev = self.target, self.target.device
-        b, k = len(prompts), self.k
+        b, k = len(prompts), self.verify_width
         eos = set(eos_ids)
         lens = [len(p) for p in prompts]
         cache = self._cache_for(
@@ -153,26 +164,17 @@ class SpecEngine:
                 max_new_tokens - len(r.tokens) - 1 if a else 0
                 for r, a in zip(results, active, strict=True)
             ]
-            proposal = self._propose(contexts, max_lens, b)
+            proposal = self.strategy.propose(self.drafter, contexts, max_lens)
             t1 = self._clock()
-            lengths = torch.tensor(proposal.lengths, dtype=torch.int64)
-            verify_in = torch.cat(
-                [pending[:, None].to(dev), proposal.tokens.to(dev)], dim=1
-            )  # [B, 1+K]
-            argmax = target.forward_argmax(verify_in, cache)  # [B, 1+K]
-            outcome = self.verify_fn(proposal.tokens.to(dev), lengths.to(dev), argmax)
-            accepted = outcome.accepted_len.tolist()
-            bonus = outcome.bonus.tolist()
+            outcome = self.strategy.verify(target, cache, pending, proposal, active)
             t2 = self._clock()
-            drafts = proposal.tokens.tolist()
             for row in range(b):
                 if not active[row]:
                     continue
-                n = accepted[row]
-                committed = [*drafts[row][:n], bonus[row]]
-                results[row].stats.record(proposal.lengths[row], n, len(committed))
-                # KV of the pending token and the n accepted drafts is now valid.
-                cache.commit(row, int(cache.lengths[row]) + n + 1)
+                committed = outcome.committed[row]
+                results[row].stats.record(
+                    outcome.draft_lens[row], outcome.accepted_lens[row], len(committed)
+                )
                 self._append(
                     row,
                     committed,
@@ -189,11 +191,6 @@ class SpecEngine:
             self.times.verify += t2 - t1
             self.times.commit += t3 - t2
         return results
-
-    def _propose(self, contexts: list[list[int]], max_lens: list[int], b: int) -> DraftProposal:
-        if self.drafter is None or max(max_lens) <= 0:
-            return DraftProposal(tokens=torch.zeros(b, 0, dtype=torch.int64), lengths=[0] * b)
-        return self.drafter.propose(contexts, max_lens)
 
     @staticmethod
     def _append(
