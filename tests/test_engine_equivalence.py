@@ -167,3 +167,15 @@ def test_verify_terminology_cases():
     # padding past a row's draft length is never accepted, even if it matches
     out = greedy_verify(torch.tensor([[5, 6]]), torch.tensor([1]), torch.tensor([[5, 6, 1]]))
     assert out.accepted_len.tolist() == [1] and out.bonus.tolist() == [6]
+
+
+def test_acceptance_stats_cover_only_drafted_positions():
+    from specpilot.engine import AcceptanceStats
+
+    s = AcceptanceStats()
+    s.record(draft_len=3, accepted_len=3, committed=4)
+    s.record(draft_len=2, accepted_len=0, committed=1)
+    s.record(draft_len=0, accepted_len=0, committed=1)
+    assert s.drafted == [2, 2, 1] and s.accepted == [1, 1, 1]
+    assert s.acceptance_rates() == [0.5, 0.5, 1.0]
+    assert s.accept_hist == [2, 0, 0, 1] and s.mean_accepted_len == 2.0

@@ -87,7 +87,10 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
     model, prompts = tiny
     monkeypatch.setitem(MECHANISMS, FAULTY.name, FAULTY)
     out, memory = tmp_path / "out", tmp_path / "mem.sqlite"
-    assert main(tune_argv(model, prompts, out, memory, "--directions", "3")) == 0
+    assert (
+        main(tune_argv(model, prompts, out, memory, "--directions", "4", "--rank-gaps", "static"))
+        == 0
+    )
     log = capsys.readouterr().out
     tuned = json.loads((out / "tuned.json").read_text())
     assert FAULTY.name not in tuned["mechanisms"]
@@ -193,6 +196,7 @@ def test_warm_start_reuses_validated_results_of_a_similar_deployment(tiny, tmp_p
     )
     log = capsys.readouterr().out
     assert "reused from memory:" in log
+    assert "gaps ranked by a profile of the stock engine: " in log  # the default ranking
     assert "Reused from memory" in (tmp_path / "b" / "report.md").read_text()
 
 

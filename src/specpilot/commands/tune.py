@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from specpilot.commands.common import add_engine_args, config_from_args
 from specpilot.errors import SpecPilotError
@@ -82,6 +83,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=Path("runs/tune"),
         help="output directory (default: %(default)s)",
     )
+    p.add_argument(
+        "--rank-gaps",
+        choices=["profile", "static"],
+        default="profile",
+        help="order directions by a measured profile of the stock engine (default) or a fixed order",
+    )
     p.add_argument("--seed", type=int, default=0)
     add_engine_args(p)
 
@@ -93,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.memory import MemoryStore, fingerprint_deployment
     from specpilot.runtime import parse_device
     from specpilot.tune.executors import Executor, LocalExecutor, RayExecutor
-    from specpilot.tune.loop import TuneLoop, TuneSettings
+    from specpilot.tune.loop import STATIC_GAP_ORDER, TuneLoop, TuneSettings
     from specpilot.tune.report import write_report
     from specpilot.tune.space import directions_for
 
@@ -137,6 +144,10 @@ def run(args: argparse.Namespace) -> int:
         min_gain=args.min_gain,
         seed=args.seed,
     )
+    gap_order: tuple[str, ...] = STATIC_GAP_ORDER
+    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
+        gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
+        print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
     with MemoryStore(args.memory or default_memory()) as store:
         loop = TuneLoop(
             base,
@@ -146,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
             fp,
             label,
             settings,
+            gap_order=gap_order,
             resume=args.resume,
         )
         try:
@@ -164,3 +176,22 @@ def run(args: argparse.Namespace) -> int:
     for r in outcome.reused:
         print(f"reused from memory: {r}")
     return 0
+
+
+def profiled_gap_order(
+    evaluator: Any, base: Any, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[str, ...]:
+    """Components ordered by the time they lose per generated token in the stock engine (largest
+    first), measured by the cost model on the tuning prompts; unranked components follow."""
+    from specpilot.costmodel.hardware import measure_ceilings
+    from specpilot.costmodel.profile_run import profile_engines
+    from specpilot.engine.build import build_engine
+    from specpilot.tune.loop import STATIC_GAP_ORDER
+
+    build = build_engine(base, target=evaluator.stock)
+    ceilings = measure_ceilings(evaluator.device, evaluator.dtype)
+    result = profile_engines(
+        build.stock_engine(), build.engine(), prompts, max_new_tokens, evaluator.eos_ids, ceilings
+    )
+    ranked = [g.component for g in result.prediction.gaps() if g.lost_s_per_token > 0]
+    return tuple(dict.fromkeys([*ranked, *STATIC_GAP_ORDER]))

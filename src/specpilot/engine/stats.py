@@ -26,7 +26,7 @@ class AcceptanceStats:
     def record(self, draft_len: int, accepted_len: int, committed: int) -> None:
         self.cycles += 1
         self.committed += committed
-        grow = max(draft_len, accepted_len + 1) - len(self.drafted)
+        grow = draft_len - len(self.drafted)  # accepted_len <= draft_len
         if grow > 0:
             self.drafted.extend([0] * grow)
             self.accepted.extend([0] * grow)
