@@ -168,7 +168,10 @@ def test_draft_model_drafter_through_the_cli(model_dir, capsys):
     assert r["tokens"] < 4 or r["mean_accepted_len_incl_bonus"] > 2.0
 
 
-@pytest.mark.parametrize("cmd", ["generate", "bench", "verify", "models"])
+@pytest.mark.parametrize(
+    "cmd",
+    ["generate", "bench", "verify", "models", "serve", "profile", "tune", "memory", "compare"],
+)
 def test_every_subcommand_has_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])

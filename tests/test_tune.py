@@ -124,6 +124,29 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
         == 0
     )
     assert json.loads(capsys.readouterr().out)["forcing"]["ok"]
+    # compare: tuned vs stock vs AR on held-out prompts, all token-forced
+    assert (
+        main(
+            [
+                "compare",
+                "--engine",
+                str(out / "tuned.json"),
+                "--prompts",
+                str(prompts),
+                "--skip",
+                "1",
+                "--limit",
+                "2",
+                "--max-new-tokens",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    cmp = json.loads(capsys.readouterr().out)
+    assert cmp["prompts"] == 2 and all(cmp[n]["forcing_ok"] for n in ("ar", "stock", "tuned"))
+    assert cmp["ar"]["vs_ar"] == 1.0 and cmp["tuned_vs_stock"] > 0
     # memory CLI
     assert main(["memory", "--memory", str(memory), "list"]) == 0
     listing = capsys.readouterr().out

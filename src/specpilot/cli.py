@@ -7,7 +7,17 @@ import sys
 from collections.abc import Sequence
 
 from specpilot import __version__
-from specpilot.commands import bench, generate, memory, models, profile, serve, tune, verify
+from specpilot.commands import (
+    bench,
+    compare,
+    generate,
+    memory,
+    models,
+    profile,
+    serve,
+    tune,
+    verify,
+)
 from specpilot.errors import SpecPilotError
 
 COMMANDS = {
@@ -19,6 +29,7 @@ COMMANDS = {
     "profile": profile,
     "tune": tune,
     "memory": memory,
+    "compare": compare,
 }
 
 
