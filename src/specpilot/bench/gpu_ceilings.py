@@ -2,33 +2,9 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
-
-def _time(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Seconds per call: events on CUDA (median of 3 runs of ``iters``), perf_counter elsewhere."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            e1.synchronize()
-            runs.append(e0.elapsed_time(e1) / 1e3 / iters)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fn()
-            runs.append((time.perf_counter() - t0) / iters)
-    return sorted(runs)[1]
+from specpilot.timing import time_call
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -36,14 +12,14 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     n = nbytes // 2
     src = torch.randn(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    sec = _time(lambda: dst.copy_(src), device, iters=20)
+    sec = time_call(lambda: dst.copy_(src), device, iters=20)
     return 2 * n * 2 / sec
 
 
 def read_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a streaming read (a sum over a large bf16 vector)."""
     x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
-    sec = _time(lambda: x.sum(), device, iters=20)
+    sec = time_call(lambda: x.sum(), device, iters=20)
     return nbytes / sec
 
 
@@ -52,7 +28,7 @@ def matmul_rate(device: torch.device, n: int) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    sec = _time(lambda: a @ b, device, iters=10)
+    sec = time_call(lambda: a @ b, device, iters=10)
     return 2 * n**3 / sec
 
 

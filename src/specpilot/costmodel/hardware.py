@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specpilot.timing import time_call
+
 
 @dataclass(frozen=True, slots=True)
 class Ceilings:
@@ -139,39 +141,11 @@ def gpu_spec(key: str) -> GpuSpec:
 
 
 # ---------------------------------------------------------------------- measured on the spot
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def time_call(
-    fn: Callable[[], object],
-    device: torch.device,
-    iters: int,
-    warmup: int = 2,
-    clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """Seconds per call of ``fn``: median of 3 runs of ``iters`` calls (CUDA events on a GPU,
-    ``clock`` elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    runs = []
-    for _ in range(3):
-        _sync(device)
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            e1.synchronize()
-            runs.append(e0.elapsed_time(e1) / 1e3 / iters)
-        else:
-            t0 = clock()
-            for _ in range(iters):
-                fn()
-            runs.append((clock() - t0) / iters)
-    return sorted(runs)[1]
 
 
 Clock = Callable[[], float]

@@ -32,6 +32,7 @@ from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.static_forward import StaticForward
 from specpilot.models.transformer import Transformer
+from specpilot.timing import time_call
 
 
 @dataclass(slots=True)
@@ -394,21 +395,4 @@ class StaticEngine:
         def once() -> None:
             self.runner.run(("time", k, attn_len), fn, self.state)  # type: ignore[arg-type]
 
-        once()
-        runs = []
-        for _ in range(3):
-            self._sync()
-            if self.device.type == "cuda":
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(iters):
-                    once()
-                e1.record()
-                e1.synchronize()
-                runs.append(e0.elapsed_time(e1) / 1e3 / iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    once()
-                runs.append((time.perf_counter() - t0) / iters)
-        return sorted(runs)[1]
+        return time_call(once, self.device, iters, warmup=1)

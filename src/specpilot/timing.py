@@ -1,0 +1,41 @@
+"""One way to time device work: warm up, then the median of three timed runs.
+
+CUDA work is timed with events (no host clock over asynchronous launches); anything else with
+``clock`` (``time.perf_counter`` by default).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def time_call(
+    fn: Callable[[], object],
+    device: torch.device,
+    iters: int,
+    warmup: int = 2,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds per call of ``fn``: median of 3 runs of ``iters`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    runs = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(iters):
+                fn()
+            e1.record()
+            e1.synchronize()
+            runs.append(e0.elapsed_time(e1) / 1e3 / iters)
+        else:
+            t0 = clock()
+            for _ in range(iters):
+                fn()
+            runs.append((clock() - t0) / iters)
+    return sorted(runs)[1]
