@@ -137,87 +137,74 @@ class SpecEngine:
         results = [
             GenerationResult(prompt_ids=list(p), tokens=[], stop_reason="length") for p in prompts
         ]
-        contexts = [list(p) for p in prompts]
-        active = [True] * b
-        pending = torch.zeros(b, dtype=torch.int64)
+        rows = _Rows(
+            results=results,
+            contexts=[list(p) for p in prompts],
+            active=[True] * b,
+            pending=torch.zeros(b, dtype=torch.int64),
+            eos=eos,
+            max_new_tokens=max_new_tokens,
+            on_commit=on_commit,
+        )
         for row in range(b):
-            self._append(
-                row,
-                [first[row]],
-                results,
-                contexts,
-                active,
-                pending,
-                eos,
-                max_new_tokens,
-                on_commit,
-            )
+            rows.append(row, [first[row]])
         t1 = self._clock()
         self.times.prefill += t1 - t0
         if self.drafter is not None:
-            self.drafter.start(contexts)
+            self.drafter.start(rows.contexts)
 
-        while any(active):
+        while any(rows.active):
             t0 = self._clock()
             # Never draft past the length limit: a row with r tokens left drafts at most r - 1.
             max_lens = [
                 max_new_tokens - len(r.tokens) - 1 if a else 0
-                for r, a in zip(results, active, strict=True)
+                for r, a in zip(results, rows.active, strict=True)
             ]
-            proposal = self.strategy.propose(self.drafter, contexts, max_lens)
+            proposal = self.strategy.propose(self.drafter, rows.contexts, max_lens)
             t1 = self._clock()
-            outcome = self.strategy.verify(target, cache, pending, proposal, active)
+            outcome = self.strategy.verify(target, cache, rows.pending, proposal, rows.active)
             t2 = self._clock()
             for row in range(b):
-                if not active[row]:
+                if not rows.active[row]:
                     continue
                 committed = outcome.committed[row]
                 results[row].stats.record(
                     outcome.draft_lens[row], outcome.accepted_lens[row], len(committed)
                 )
-                self._append(
-                    row,
-                    committed,
-                    results,
-                    contexts,
-                    active,
-                    pending,
-                    eos,
-                    max_new_tokens,
-                    on_commit,
-                )
+                rows.append(row, committed)
             t3 = self._clock()
             self.times.draft += t1 - t0
             self.times.verify += t2 - t1
             self.times.commit += t3 - t2
         return results
 
-    @staticmethod
-    def _append(
-        row: int,
-        committed: list[int],
-        results: list[GenerationResult],
-        contexts: list[list[int]],
-        active: list[bool],
-        pending: Tensor,
-        eos: set[int],
-        max_new_tokens: int,
-        on_commit: Callable[[int, list[int]], None] | None,
-    ) -> None:
+
+@dataclass(slots=True)
+class _Rows:
+    """Per-row decoding state of one ``generate`` call."""
+
+    results: list[GenerationResult]
+    contexts: list[list[int]]  # prompt + committed tokens, what drafters see
+    active: list[bool]
+    pending: Tensor  # [B] int64: last committed token, whose KV is not in the cache yet
+    eos: set[int]
+    max_new_tokens: int
+    on_commit: Callable[[int, list[int]], None] | None
+
+    def append(self, row: int, committed: list[int]) -> None:
         """Append committed tokens to a row, cutting at the first EOS or at the length limit."""
-        res = results[row]
-        room = max_new_tokens - len(res.tokens)
-        keep = committed[:room]
+        res = self.results[row]
+        keep = committed[: self.max_new_tokens - len(res.tokens)]
         for i, tok in enumerate(keep):
-            if tok in eos:
+            if tok in self.eos:
                 keep = keep[: i + 1]
                 res.stop_reason = "eos"
-                active[row] = False
+                self.active[row] = False
                 break
         res.tokens.extend(keep)
-        contexts[row].extend(keep)
-        if len(res.tokens) >= max_new_tokens:
-            active[row] = False
-        pending[row] = keep[-1]
-        if on_commit is not None and keep:
-            on_commit(row, keep)
+        self.contexts[row].extend(keep)
+        if len(res.tokens) >= self.max_new_tokens:
+            self.active[row] = False
+        self.pending[row] = keep[-1]
+        if self.on_commit is not None and keep:
+            self.on_commit(row, keep)
