@@ -20,19 +20,24 @@ from specpilot.models.kv_cache import KVCache
 from specpilot.models.transformer import Transformer
 
 
+def check_draft_model(model: Transformer, k: int, target_vocab_size: int | None) -> None:
+    """The checks every draft-model drafter (eager or CUDA-graph) makes on construction."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1, got {k}")
+    if target_vocab_size is not None and model.cfg.vocab_size != target_vocab_size:
+        raise IncompatibleDrafterError(
+            f"The drafter's vocabulary has {model.cfg.vocab_size} tokens but the target's has "
+            f"{target_vocab_size}; a draft model must share the target's tokenizer."
+        )
+
+
 class DraftModelDrafter:
     name = "draft-model"
 
     def __init__(
         self, model: Transformer, k: int = 5, target_vocab_size: int | None = None
     ) -> None:
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if target_vocab_size is not None and model.cfg.vocab_size != target_vocab_size:
-            raise IncompatibleDrafterError(
-                f"The drafter's vocabulary has {model.cfg.vocab_size} tokens but the target's has "
-                f"{target_vocab_size}; a draft model must share the target's tokenizer."
-            )
+        check_draft_model(model, k, target_vocab_size)
         self.model = model
         self.k = k
         self._cache: KVCache | None = None

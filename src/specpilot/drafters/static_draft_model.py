@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specpilot.errors import IncompatibleDrafterError
+from specpilot.drafters.draft_model import check_draft_model
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.static_forward import StaticForward
 from specpilot.models.transformer import Transformer
@@ -30,13 +30,7 @@ class StaticDraftModel:
     def __init__(
         self, model: Transformer, k: int = 5, target_vocab_size: int | None = None
     ) -> None:
-        if k < 1:
-            raise ValueError(f"k must be at least 1, got {k}")
-        if target_vocab_size is not None and model.cfg.vocab_size != target_vocab_size:
-            raise IncompatibleDrafterError(
-                f"The drafter's vocabulary has {model.cfg.vocab_size} tokens but the target's has "
-                f"{target_vocab_size}; a draft model must share the target's tokenizer."
-            )
+        check_draft_model(model, k, target_vocab_size)
         self.model = model
         self.k = k
         self.fwd = StaticForward(model)
