@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from specpilot.bench.runner import synchronize, timed_generate, warm_up
 from specpilot.engine import AcceptanceStats, SpecEngine
 from specpilot.engine.build import build_engine
@@ -146,8 +144,3 @@ class Evaluator:
             wall_seconds=wall,
             error=message,
         )
-
-
-def free_device_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from specpilot.engine.config import EngineConfig
@@ -259,7 +258,3 @@ def _with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, deployment=base.deployment)
-
-
-def save_best(outcome: TuneOutcome, path: Path) -> None:
-    outcome.best.config.save(path)
