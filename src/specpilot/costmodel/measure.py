@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,15 +54,18 @@ class ForwardTimes:
         }
 
 
-def _graph(fn: Thunk, device: torch.device) -> Thunk:
-    """Capture ``fn`` in a CUDA graph (after a warm-up on a side stream); returns its replay."""
+def _graph(fn: Thunk, device: torch.device, pool: Any = None) -> Thunk:
+    """Capture ``fn`` in a CUDA graph (after a warm-up on a side stream); returns its replay.
+
+    ``pool``: a ``torch.cuda.graph_pool_handle()`` shared by graphs that replay one at a time on
+    one stream (as the engine's :class:`~specpilot.engine.cuda_graphs.GraphRunner` does)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream(device).wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, pool=pool):
         fn()
     return g.replay
 
@@ -112,6 +116,15 @@ class ForwardTimer:
     does, between prompts) so that a shared, noisy machine affects both alike.
     ``path``: ``eager`` (SpecEngine's forward) or ``static`` (the CUDA-graph engine's forward;
     captured in graphs on CUDA).
+
+    On CUDA every width's pieces are built first (in ``__init__``); each round then captures one
+    width's pieces in graphs, replays, times and drops them before the next width is captured.
+    The earlier order (build width 1, capture it, then build and capture width 17, then replay
+    width 1) crashed on the H200 with an illegal memory access in width 1's first GEMM piece
+    (llama3-8b, 32 layers; 2 layers or one width did not). Building every piece before any
+    capture did not crash, with or without a fixed cuBLAS workspace; the root cause is not
+    pinned down (``bench/graph_capture_check.py`` holds the variants and their results).
+    Capture costs milliseconds per piece and stays outside the timed bursts.
     """
 
     def __init__(
@@ -128,6 +141,7 @@ class ForwardTimer:
         self.model, self.context, self.path, self.clock = model, context, path, clock
         self.device = model.device
         self.iters = 10 if self.device.type == "cuda" else 1
+        self.graphs = path == "static" and self.device.type == "cuda" and graphs
         self._fns: dict[int, dict[str, Thunk]] = {}
         with torch.inference_mode():
             for w in sorted(set(widths)):
@@ -137,9 +151,7 @@ class ForwardTimer:
                     else static_pieces(model, w, context)
                 )
                 fns = {**pieces.components, "__forward__": pieces.forward}
-                if path == "static" and self.device.type == "cuda" and graphs:
-                    fns = {name: _graph(fn, self.device) for name, fn in fns.items()}
-                for fn in fns.values():  # warm-up
+                for fn in fns.values():  # warm-up (Triton JIT, cuBLAS handles)
                     fn()
                 self._fns[w] = fns
         self._samples: dict[int, dict[str, list[float]]] = {
@@ -150,8 +162,15 @@ class ForwardTimer:
     @torch.inference_mode()
     def round(self) -> None:
         for w, fns in self._fns.items():
-            for name, fn in fns.items():
-                self._samples[w][name].append(_sample(fn, self.device, self.iters, self.clock))
+            runs = fns
+            if self.graphs:
+                pool = torch.cuda.graph_pool_handle()
+                runs = {name: _graph(fn, self.device, pool) for name, fn in fns.items()}
+                for run in runs.values():
+                    run()
+            for name, run in runs.items():
+                self._samples[w][name].append(_sample(run, self.device, self.iters, self.clock))
+            del runs  # this width's graphs die before the next width is captured
         self.rounds += 1
 
     def results(self) -> dict[int, ForwardTimes]:
