@@ -111,6 +111,11 @@ class BatchScheduler:
         return len(self._waiting)
 
     @property
+    def waiting_ids(self) -> list[str]:
+        """Requests submitted but not yet in a slot, oldest first."""
+        return [r.id for r in self._waiting]
+
+    @property
     def has_work(self) -> bool:
         return bool(self._waiting) or self.running > 0
 
