@@ -86,6 +86,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     tok = dep.target.tokenizer
     if tok is None:
         raise SpecPilotError("Serving needs the target's tokenizer.")
+    if dep.build.strategy is not None:
+        raise SpecPilotError(
+            f"serve runs the continuous-batching scheduler, which verifies chains; remove "
+            f"the '{dep.build.strategy.name}' verify strategy from the engine config."
+        )
     _, engine = dep.engines()
     worker = EngineWorker(
         engine,
