@@ -159,7 +159,9 @@ class EngineWorker:
         sched = self._scheduler()
         stopping = False
         while True:
-            stopping = self._take_jobs(sched, block=not sched.has_work) or stopping
+            if stopping and not sched.has_work:
+                return
+            stopping = self._take_jobs(sched, block=not (sched.has_work or stopping)) or stopping
             if stopping:  # shutdown: queued requests are cancelled, running ones finish
                 for rid in sched.waiting_ids:
                     sched.cancel(rid)
@@ -171,8 +173,6 @@ class EngineWorker:
                     self.metrics.cancelled.inc()
             self.metrics.queue_depth.set(self._jobs.qsize() + sched.waiting)
             if not sched.has_work:
-                if stopping:
-                    return
                 continue
             try:
                 report = sched.step()
