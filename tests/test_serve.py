@@ -228,3 +228,34 @@ def _slow_down(app):
 
     worker.engine.drafter = Slow()
     return worker
+
+
+def test_concurrent_streams_with_stop_strings_share_the_batch(server, offline):
+    """Streams running together in the continuous batch, some cut by a stop string mid-batch,
+    each equal to its own offline output (cut at the stop string)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok, complete = offline
+    prompts = ["hello world", "world world hello", "hi", "user hi hello", "hello"]
+    full = [complete(tok.encode(p), 20) for p in prompts]
+    # a stop string that occurs inside some outputs (the first output's middle characters)
+    stop = full[0][len(full[0]) // 2 : len(full[0]) // 2 + 2] or "x"
+    want = [(f[: f.find(stop)] if stop in f else f) for f in full]
+
+    def one(p: str) -> tuple[str, str | None]:
+        parts, finish = [], None
+        for chunk in client(server).completions.create(
+            model=None,  # type: ignore[arg-type]
+            prompt=p,
+            max_tokens=20,
+            stop=[stop],
+            stream=True,
+        ):
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        got = list(ex.map(one, prompts))
+    assert [text for text, _ in got] == want
+    assert got[0][1] == "stop"

@@ -37,6 +37,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also time HF transformers generate (greedy) on the same prompts",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    b = p.add_argument_group("batched mode (continuous batching, docs/SERVE.md)")
+    b.add_argument(
+        "--mode",
+        choices=["single", "batched"],
+        default="single",
+        help="single: one prompt at a time; batched: requests share a continuous batch "
+        "(default: %(default)s)",
+    )
+    b.add_argument(
+        "--concurrency",
+        default="16,20,24",
+        help="batched: slots (requests decoded together), comma-separated (default: %(default)s)",
+    )
+    b.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="batched: requests per concurrency, prompts cycled (default: 2 x concurrency)",
+    )
+    b.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="batched: Poisson arrivals per second; 0 = all at once (default: %(default)s)",
+    )
+    b.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=256,
+        help="batched: prompt tokens a new request feeds per step (default: %(default)s)",
+    )
+    b.add_argument("--seed", type=int, default=0, help="batched: arrival seed (default: 0)")
     add_engine_args(p)
 
 
@@ -50,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
         TimeRemainingColumn,
     )
 
+    if args.mode == "batched":
+        from specpilot.commands.bench_batched import run_batched
+
+        return run_batched(args)
     console = Console(stderr=True)
     dep = build_deployment(args)
     tok = dep.target.tokenizer

@@ -132,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         dtype=args.dtype,
         device=args.device,
+        mode=getattr(args, "mode", "single"),
     )
     return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
 

@@ -46,12 +46,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0.0,
         help="fraction of responses token-forced in the background (default: %(default)s)",
     )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=4,
+        help="requests decoded together in one continuous batch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--segment-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens a newly admitted request feeds per step (default: %(default)s)",
+    )
     add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.audit_rate <= 1.0:
         raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
+    if args.max_concurrency < 1 or args.segment_tokens < 1:
+        raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     try:
         import uvicorn
     except ImportError:
@@ -72,8 +86,22 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     tok = dep.target.tokenizer
     if tok is None:
         raise SpecPilotError("Serving needs the target's tokenizer.")
+    if dep.build.strategy is not None:
+        raise SpecPilotError(
+            f"serve runs the continuous-batching scheduler, which verifies chains; remove "
+            f"the '{dep.build.strategy.name}' verify strategy from the engine config."
+        )
     _, engine = dep.engines()
-    worker = EngineWorker(engine, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
+    worker = EngineWorker(
+        engine,
+        tok,
+        dep.eos_ids,
+        ServerMetrics(),
+        audit_rate=args.audit_rate,
+        slots=args.max_concurrency,
+        segment_tokens=args.segment_tokens,
+        block_policy=dep.build.block_policy,
+    )
     settings = ServeSettings(
         model_name=args.served_model_name or dep.target.spec,
         context=dep.target.model.max_positions,

@@ -37,7 +37,7 @@ PLANNED: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
     "argmax": (("exact-argmax head", "exact-argmax", "argmax fused into the LM-head GEMM"),),
     "draft": (
-        ("drafter schedule", "drafter-schedule", "per-request drafter block length / draft budget"),
+        ("drafter schedule", "adaptive-block", "per-request drafter block length / draft budget"),
         ("CUDA graphs", "cuda-graphs", "static shapes and graph replay for the drafter"),
         ("tree verify", "tree-verify", "more accepted tokens per draft forward"),
     ),

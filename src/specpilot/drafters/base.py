@@ -39,3 +39,15 @@ class Drafter(Protocol):
     def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
         """Up to ``min(k, max_lens[b])`` tokens for each row b."""
         ...
+
+
+@runtime_checkable
+class RowResettable(Protocol):
+    """A drafter that can forget one row: continuous batching puts a new sequence in a slot.
+
+    Without it the scheduler restarts the drafter on every row (correct, but it re-prefills).
+    """
+
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` now holds another sequence; drop whatever was built from the old one."""
+        ...

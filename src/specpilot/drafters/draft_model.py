@@ -54,6 +54,11 @@ class DraftModelDrafter:
         self._cache = cache
         self._fed = [[] for _ in contexts]
 
+    def reset_row(self, row: int) -> None:
+        """Nothing to forget: ``_feed`` keeps the KV of the longest prefix the new sequence shares
+        with what the slot fed before (a K/V entry depends only on the tokens up to it), and
+        recomputes the rest."""
+
     def ensure_capacity(self, max_context: int) -> None:
         """Grow the cache (copying nothing: the drafter re-prefills) if a context outgrows it."""
         if self._cache is not None and max_context + self._room + 2 > self._cache.max_seq_len:

@@ -46,6 +46,11 @@ class NgramDrafter:
     def start(self, contexts: Sequence[Sequence[int]]) -> None:
         self._rows = [_RowIndex() for _ in contexts]
 
+    def reset_row(self, row: int) -> None:
+        """Forget row ``row``'s index: its slot now holds another sequence."""
+        if row < len(self._rows):
+            self._rows[row] = _RowIndex()
+
     def _index(self, row: _RowIndex, ctx: Sequence[int]) -> None:
         # Index grams that end strictly before the last token, so the suffix never finds itself.
         end = len(ctx) - 1

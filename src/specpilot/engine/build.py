@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpilot.drafters.base import Drafter
+from specpilot.engine.batching import BatchScheduler, BlockPolicy
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.loop import SpecEngine, VerifyFn
 from specpilot.engine.strategy import VerifyStrategy
@@ -29,12 +30,41 @@ class EngineBuild:
     verify_fn: VerifyFn = greedy_verify
     strategy: VerifyStrategy | None = None
     """Verify strategy (plug point ``verify_strategy``); None = the chain with ``verify_fn``."""
+    block_policy: BlockPolicy | None = None
+    """Per-request block length in batched mode (plug point ``drafter_schedule``); None = k."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
 
     def engine(self) -> SpecEngine:
         return SpecEngine(
             self.target.model, self.drafter, verify_fn=self.verify_fn, strategy=self.strategy
+        )
+
+    def scheduler(
+        self, slots: int, segment_tokens: int = 256, max_context: int | None = None
+    ) -> BatchScheduler:
+        """The continuous-batching scheduler over the same target, drafter and mechanisms."""
+        if self.strategy is not None:
+            raise SpecPilotError(
+                f"Batched mode verifies chains; the '{self.strategy.name}' verify strategy is "
+                "not supported there yet."
+            )
+        return BatchScheduler(
+            self.target.model,
+            self.drafter,
+            slots=slots,
+            segment_tokens=segment_tokens,
+            max_context=max_context,
+            block_policy=self.block_policy,
+            verify_fn=self.verify_fn,
+        )
+
+    def stock_scheduler(
+        self, slots: int, segment_tokens: int = 256, max_context: int | None = None
+    ) -> BatchScheduler:
+        """Batched plain AR over the same weights: the baseline for batched speedups."""
+        return BatchScheduler(
+            self.target.model, slots=slots, segment_tokens=segment_tokens, max_context=max_context
         )
 
     def stock_engine(self) -> SpecEngine:

@@ -1,15 +1,18 @@
-"""One thread owns the engine: requests queue up and run one at a time, streaming tokens out.
+"""One thread owns the engine and runs the continuous-batching scheduler; tokens stream out.
 
 The HTTP side is asyncio; the engine is synchronous PyTorch. Each job carries a thread-safe
-channel back to its request (``loop.call_soon_threadsafe``) and a cancel flag, checked at every
-commit, so a client that disconnects stops its generation at the next cycle. Continuous batching
-(requests joining a running batch) replaces this worker in the batched serving mode.
+channel back to its request (``loop.call_soon_threadsafe``) and a cancel flag. Between scheduler
+steps the thread takes new jobs (they join the running batch as slots free up), drops cancelled
+ones (a client that disconnects frees its slot at the next step) and runs background audits.
+Concurrent requests share every target forward; each one's tokens are still exactly its own
+single-request output (engine/batching/scheduler.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import queue
 import random
 import threading
@@ -19,13 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpilot.engine import SpecEngine
+from specpilot.engine.batching import BatchScheduler, BlockPolicy, Request, RequestResult
 from specpilot.forcing import force_tokens
 from specpilot.loading import TextTokenizer
 from specpilot.serve.metrics import ServerMetrics
-
-
-class Cancelled(Exception):
-    """Raised inside the engine's commit callback to abandon a job."""
 
 
 @dataclass(slots=True)
@@ -50,6 +50,50 @@ class Outcome:
     seconds: float
 
 
+@dataclass(slots=True)
+class _Stream:
+    """A running job's text so far: decodes committed tokens, cuts at stop strings, sends deltas."""
+
+    job: Job
+    tokenizer: TextTokenizer
+    started: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    sent: str = ""
+    stopped_by_string: bool = False
+
+    def _text(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for s in self.job.stops:
+            cut = text.find(s)
+            if cut >= 0:
+                text, self.stopped_by_string = text[:cut], True
+        return text
+
+    def _send_up_to(self, safe: str) -> None:
+        if len(safe) > len(self.sent) and safe.startswith(self.sent):
+            self.job.send(("delta", safe[len(self.sent) :]))
+            self.sent = safe
+
+    def feed(self, tokens: list[int]) -> bool:
+        """Stream what is safe to show; True when a stop string appeared (the job is done)."""
+        self.tokens.extend(tokens)
+        text = self._text()
+        # hold back a possibly incomplete multi-byte character or a partial stop string
+        safe = text if self.stopped_by_string else text.rstrip("\ufffd")
+        if self.job.stops and not self.stopped_by_string:
+            longest = max(len(s) for s in self.job.stops)
+            safe = safe[: max(len(self.sent), len(safe) - longest + 1)]
+        self._send_up_to(safe)
+        return self.stopped_by_string
+
+    def finish(self, stop_reason: str) -> Outcome:
+        text = self._text()
+        self._send_up_to(text)
+        reason = "stop" if stop_reason == "eos" or self.stopped_by_string else "length"
+        seconds = time.perf_counter() - self.started
+        return Outcome(text=text, tokens=list(self.tokens), finish_reason=reason, seconds=seconds)
+
+
 class EngineWorker:
     def __init__(
         self,
@@ -59,16 +103,25 @@ class EngineWorker:
         metrics: ServerMetrics,
         audit_rate: float = 0.0,
         seed: int = 0,
+        slots: int = 4,
+        segment_tokens: int = 256,
+        block_policy: BlockPolicy | None = None,
     ) -> None:
         self.engine = engine
+        """Target, drafter and verifier; the scheduler is built from them when the thread starts."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.metrics = metrics
         self.audit_rate = audit_rate
+        self.slots = slots
+        self.segment_tokens = segment_tokens
+        self.block_policy = block_policy
         self._rng = random.Random(seed)
+        self._ids = itertools.count()
         self._jobs: queue.Queue[Job | Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
         self._stopping = threading.Event()
+        self._live: dict[str, _Stream] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -80,7 +133,7 @@ class EngineWorker:
         self.metrics.queue_depth.set(self._jobs.qsize())
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, cancel queued ones, let the running one finish (or time out)."""
+        """Refuse new jobs, cancel queued ones, let the running ones finish (or time out)."""
         self._stopping.set()
         while True:
             try:
@@ -92,77 +145,88 @@ class EngineWorker:
         self._jobs.put(None)
         self._thread.join(timeout)
 
+    def _scheduler(self) -> BatchScheduler:
+        return BatchScheduler(
+            self.engine.target,
+            self.engine.drafter,
+            slots=self.slots,
+            segment_tokens=self.segment_tokens,
+            block_policy=self.block_policy,
+            verify_fn=self.engine.verify_fn,
+        )
+
     def _run(self) -> None:
+        sched = self._scheduler()
+        stopping = False
         while True:
-            item = self._jobs.get()
-            self.metrics.queue_depth.set(self._jobs.qsize())
-            if item is None:
+            if stopping and not sched.has_work:
                 return
+            stopping = self._take_jobs(sched, block=not (sched.has_work or stopping)) or stopping
+            if stopping:  # shutdown: queued requests are cancelled, running ones finish
+                for rid in sched.waiting_ids:
+                    sched.cancel(rid)
+                    self._live.pop(rid).job.send(("error", "the server is shutting down"))
+            for rid, stream in list(self._live.items()):
+                if stream.job.cancelled.is_set():
+                    sched.cancel(rid)
+                    del self._live[rid]
+                    self.metrics.cancelled.inc()
+            self.metrics.queue_depth.set(self._jobs.qsize() + sched.waiting)
+            if not sched.has_work:
+                continue
+            try:
+                report = sched.step()
+            except Exception as e:  # report to every running client; the worker lives on
+                for stream in self._live.values():
+                    stream.job.send(("error", f"generation failed: {e}"))
+                self._live.clear()
+                sched = self._scheduler()
+                continue
+            for rid, tokens in report.committed:
+                if self._live[rid].feed(tokens):  # a stop string: no more tokens are needed
+                    result = sched.cancel(rid)  # None if it also finished in this step
+                    if result is not None:
+                        self._done(result)
+            for result in report.finished:
+                self._done(result)
+
+    def _take_jobs(self, sched: BatchScheduler, block: bool) -> bool:
+        """Move queued jobs into the scheduler and run queued audits; True on the stop sentinel."""
+        while True:
+            try:
+                item = self._jobs.get(block=block)
+            except queue.Empty:
+                return False
+            block = False
+            if item is None:
+                return True
             if not isinstance(item, Job):
                 item()  # a background audit
                 continue
             if item.cancelled.is_set():
                 continue
+            rid = f"job-{next(self._ids)}"
             try:
-                outcome = self._generate(item)
-            except Cancelled:
-                self.metrics.cancelled.inc()
-                continue
-            except Exception as e:  # report to the client; the worker lives on
+                sched.submit(
+                    Request(
+                        rid, tuple(item.prompt_ids), item.max_new_tokens, frozenset(self.eos_ids)
+                    )
+                )
+            except Exception as e:
                 item.send(("error", f"generation failed: {e}"))
                 continue
-            item.send(("done", outcome))
-            if self.audit_rate > 0 and self._rng.random() < self.audit_rate:
-                self._jobs.put(functools.partial(self._audit, item, outcome))
+            self._live[rid] = _Stream(item, self.tokenizer)
 
-    def _generate(self, job: Job) -> Outcome:
-        tok = self.tokenizer
-        committed: list[int] = []
-        sent = ""
-        stopped_by_string = False
-
-        def on_commit(_row: int, tokens: list[int]) -> None:
-            nonlocal sent, stopped_by_string
-            if job.cancelled.is_set():
-                raise Cancelled
-            committed.extend(tokens)
-            text = tok.decode(committed, skip_special_tokens=True)
-            for s in job.stops:
-                cut = text.find(s)
-                if cut >= 0:
-                    text, stopped_by_string = text[:cut], True
-            # hold back a possibly incomplete multi-byte character or a partial stop string
-            safe = text if stopped_by_string else text.rstrip("\ufffd")
-            if job.stops and not stopped_by_string:
-                longest = max(len(s) for s in job.stops)
-                safe = safe[: max(len(sent), len(safe) - longest + 1)]
-            if len(safe) > len(sent) and safe.startswith(sent):
-                job.send(("delta", safe[len(sent) :]))
-                sent = safe
-            if stopped_by_string:
-                raise _StopString
-
-        t0 = time.perf_counter()
-        try:
-            res = self.engine.generate(
-                [job.prompt_ids], job.max_new_tokens, self.eos_ids, on_commit
-            )[0]
-            tokens, reason = res.tokens, ("stop" if res.stop_reason == "eos" else "length")
-            self.metrics.observe(res.stats)
-        except _StopString:
-            tokens, reason = committed, "stop"
-        seconds = time.perf_counter() - t0
-        text = tok.decode(tokens, skip_special_tokens=True)
-        for s in job.stops:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-        if len(text) > len(sent) and text.startswith(sent):
-            job.send(("delta", text[len(sent) :]))
-        self.metrics.tokens.inc(len(tokens))
+    def _done(self, result: RequestResult) -> None:
+        stream = self._live.pop(result.id)
+        outcome = stream.finish(result.stop_reason)
+        self.metrics.observe(result.stats)
+        self.metrics.tokens.inc(len(outcome.tokens))
         self.metrics.requests.inc()
-        self.metrics.seconds.inc(seconds)
-        return Outcome(text=text, tokens=tokens, finish_reason=reason, seconds=seconds)
+        self.metrics.seconds.inc(outcome.seconds)
+        stream.job.send(("done", outcome))
+        if self.audit_rate > 0 and self._rng.random() < self.audit_rate:
+            self._jobs.put(functools.partial(self._audit, stream.job, outcome))
 
     def _audit(self, job: Job, outcome: Outcome) -> None:
         report = force_tokens(self.engine.target, [("audit", job.prompt_ids, outcome.tokens)])
@@ -170,7 +234,3 @@ class EngineWorker:
         self.metrics.audit_near_ties.inc(report.near_ties)
         self.metrics.audit_mismatches.inc(report.mismatches)
         self.metrics.audited.inc()
-
-
-class _StopString(Exception):
-    """A stop string appeared: end the generation early (no more tokens are needed)."""

@@ -1,0 +1,7 @@
+"""Continuous batching: requests join and leave a running batch of slots between steps."""
+
+from specpilot.engine.batching.block import BlockPolicy
+from specpilot.engine.batching.request import Request, RequestResult, StepReport
+from specpilot.engine.batching.scheduler import BatchScheduler
+
+__all__ = ["BatchScheduler", "BlockPolicy", "Request", "RequestResult", "StepReport"]

@@ -1,0 +1,52 @@
+"""What passes in and out of the continuous-batching scheduler: requests, results, step reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specpilot.engine.stats import AcceptanceStats
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One generation request; ``id`` is the caller's handle (unique among live requests)."""
+
+    id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    """Tokens that end the request (committed, then the request leaves): EOS ids."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"request {self.id}: max_new_tokens must be at least 1")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """A finished (or cancelled) request, with its own acceptance statistics and clock marks."""
+
+    id: str
+    prompt_ids: list[int]
+    tokens: list[int]  # committed tokens after the prompt, stop token included
+    stop_reason: str  # "eos" | "length" | "cancelled"
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    admitted_step: int = 0
+    """Scheduler step at which the request took a slot."""
+    first_token_step: int = -1
+    """Step whose forward finished the prompt and produced the first token."""
+    finished_step: int = -1
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one scheduler step did: tokens committed per request, and the requests that left."""
+
+    committed: list[tuple[str, list[int]]]  # (request id, tokens committed this step)
+    finished: list[RequestResult]
+    rows_decoding: int = 0
+    """Rows that verified a draft (or took an AR step) in this step's forward."""
+    rows_prefilling: int = 0
+    """Rows that fed a prompt segment in this step's forward."""
+    forward_tokens: int = 0
+    """Width of the padded forward: rows x tokens per row (what the target computed)."""
