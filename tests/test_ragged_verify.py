@@ -4,7 +4,9 @@ the stock AR loop (fp32), including heterogeneous simulated acceptance."""
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -232,3 +234,47 @@ def test_random_widths_fuzz() -> None:
     assert toks(eng.generate(BATCH_PROMPTS, 50)) == toks(
         SpecEngine(model).generate(BATCH_PROMPTS, 50)
     )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_packed_graphs_on_cuda() -> None:
+    """Packed verify captured as CUDA graphs equals the eager packed path (and AR in fp32)."""
+    from specpilot.synthetic import build_block_drafter, build_target
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_target("tiny-qwen3", "cuda", dtype, max_positions=1024)
+        ref = SpecEngine(model).generate(BATCH_PROMPTS, 64)
+        outs = []
+        for use_graphs in (False, True):
+            sim = SimulatedAcceptance(
+                build_block_drafter(model, "tiny-block"),
+                AcceptanceProfile.parse("tau=3,block=9"),
+                row_profiles=[
+                    AcceptanceProfile.parse(t) for t in ("tau=1.5,block=9", "tau=6,block=9")
+                ],
+            )
+            eng = StaticEngine(model, sim, use_graphs=use_graphs, width_policy=TieredBudget(4.0))
+            outs.append(toks(eng.generate(BATCH_PROMPTS, 64)))
+        assert outs[1] == outs[0]
+        if dtype == torch.float32:
+            assert outs[0] == toks(ref)
+
+
+@pytest.mark.slow
+def test_batched_gpu_bench_tiny(tmp_path: Path) -> None:
+    """The H200 script end to end on tiny CPU shapes: every variant lossless, labelled."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "batched_gpu.py"
+    spec = importlib.util.spec_from_file_location("batched_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = ["--out", str(tmp_path), "--tiny", "--concurrency", "3", "--new-tokens", "16"]
+    result = mod.main([*args, "--budgets", "3"])
+    saved = json.loads((tmp_path / "batched_gpu.json").read_text())
+    assert "simulated acceptance" in saved["label"] and saved["runs"] == result["runs"]
+    names = [r["variant"] for r in saved["runs"]]
+    assert names == ["ar", "spec-stock", "ragged-fixed", "tiered-b3", "rowlen-t0.25"]
+    for r in saved["runs"]:
+        assert r["mismatches"] == 0 and r["rows_equal_ar"] == 3, r
