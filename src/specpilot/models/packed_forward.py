@@ -85,6 +85,43 @@ class PackedVerify:
         self.fwd = fwd
         self.cfg = fwd.cfg
 
+    def _rope_write_ref(
+        self,
+        layer: DecoderLayer,
+        qkv: Tensor,  # [M, q + 2kv]
+        k_cache: Tensor,  # [B, H_kv, S, D]
+        v_cache: Tensor,
+        positions: Tensor,  # [M]
+        place: Tensor,  # [4, M]: q batch row (padding: B), offset, cache row, cache slot
+        batch: int,
+        width: int,
+    ) -> Tensor:
+        """Torch reference of ``decode_triton.rope_qkv_write_packed``; returns the padded query
+        block ``[B, H_kv, G*W, D]``."""
+        cfg, model = self.cfg, self.fwd.model
+        m, d, hkv, g, eps = (
+            qkv.shape[0],
+            cfg.head_dim,
+            cfg.num_kv_heads,
+            self.fwd.groups,
+            cfg.rms_norm_eps,
+        )
+        q = qkv[:, : cfg.q_size].reshape(m, cfg.num_heads, d)
+        k = qkv[:, cfg.q_size : cfg.q_size + hkv * d].reshape(m, hkv, d)
+        v = qkv[:, cfg.q_size + hkv * d :].reshape(m, hkv, d)
+        k = reference.rope_rows_ref(k, model.rope_cos, model.rope_sin, positions, layer.k_norm, eps)
+        q = reference.rope_rows_ref(q, model.rope_cos, model.rope_sin, positions, layer.q_norm, eps)
+        k_cache.permute(0, 2, 1, 3).index_put_((place[2], place[3]), k)
+        v_cache.permute(0, 2, 1, 3).index_put_((place[2], place[3]), v)
+        q_pad = q.new_zeros((batch + 1) * width, cfg.num_heads, d)
+        q_pad.index_copy_(0, place[0] * width + place[1], q)  # [(B+1)*W, H, D]
+        return (
+            q_pad[: batch * width]
+            .view(batch, width, hkv, g, d)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(batch, hkv, g * width, d)
+        )
+
     def _attention_layer(
         self,
         layer: DecoderLayer,
@@ -92,9 +129,7 @@ class PackedVerify:
         k_cache: Tensor,  # [B, H_kv, S, D]
         v_cache: Tensor,
         positions: Tensor,  # [M] RoPE positions
-        kv_row: Tensor,  # [M] cache row written
-        kv_slot: Tensor,  # [M] cache slot written (padding: the last slot)
-        pad_index: Tensor,  # [M] row in the padded [B*W + 1] block (padding: B*W, a trash row)
+        place: Tensor,  # [4, M]: q batch row (padding: B), offset, cache row, slot (padding: last)
         gather_index: Tensor,  # [M] row of the padded block read back (padding: 0)
         batch: int,
         width: int,
@@ -102,26 +137,31 @@ class PackedVerify:
         mask: Tensor,  # [B, 1, G*W, attn_len]
     ) -> Tensor:
         cfg, fwd = self.cfg, self.fwd
-        m, d, hkv, g = x.shape[0], cfg.head_dim, cfg.num_kv_heads, fwd.groups
+        d, hkv, g = cfg.head_dim, cfg.num_kv_heads, fwd.groups
         eps = cfg.rms_norm_eps
         model = fwd.model
         hn = fwd.norm(x, layer.input_norm)
         qkv = F.linear(hn, layer.w_qkv, layer.b_qkv)  # [M, q + 2kv]
-        q = qkv[:, : cfg.q_size].reshape(m, cfg.num_heads, d)
-        k = qkv[:, cfg.q_size : cfg.q_size + hkv * d].reshape(m, hkv, d)
-        v = qkv[:, cfg.q_size + hkv * d :].reshape(m, hkv, d)
-        k = reference.rope_rows_ref(k, model.rope_cos, model.rope_sin, positions, layer.k_norm, eps)
-        q = reference.rope_rows_ref(q, model.rope_cos, model.rope_sin, positions, layer.q_norm, eps)
-        k_cache.permute(0, 2, 1, 3).index_put_((kv_row, kv_slot), k)
-        v_cache.permute(0, 2, 1, 3).index_put_((kv_row, kv_slot), v)
-        q_pad = q.new_zeros(batch * width + 1, cfg.num_heads, d)
-        q_pad.index_copy_(0, pad_index, q)  # [B*W + 1, H, D]
-        qb = (
-            q_pad[: batch * width]
-            .view(batch, width, hkv, g, d)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(batch, hkv, g * width, d)
-        )  # [B, H_kv, G*W, D]
+        if fwd._k is not None:  # one fused launch: RoPE, K/V write, query scatter
+            qb = fwd._k.rope_qkv_write_packed(
+                qkv.contiguous(),
+                cfg.num_heads,
+                hkv,
+                d,
+                batch,
+                width,
+                positions,
+                place,
+                model.rope_cos,
+                model.rope_sin,
+                layer.q_norm,
+                layer.k_norm,
+                eps,
+                k_cache,
+                v_cache,
+            )[:batch]  # [B, H_kv, G*W, D]
+        else:
+            qb = self._rope_write_ref(layer, qkv, k_cache, v_cache, positions, place, batch, width)
         attn = F.scaled_dot_product_attention(
             qb, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len], attn_mask=mask
         )  # [B, H_kv, G*W, D]
@@ -159,6 +199,8 @@ class PackedVerify:
         gather_index = torch.where(real, flat, torch.zeros_like(flat))
         positions = start.index_select(0, row) + offset  # [M]
         kv_slot = torch.where(real, positions, torch.full_like(positions, cache.max_seq_len - 1))
+        q_row = torch.where(real, row, torch.full_like(row, b))
+        place = torch.stack([q_row, offset, row, kv_slot]).contiguous()  # [4, M]
         mask = attention_mask(start, w, attn_len, self.fwd.groups, self.fwd.model.dtype)
         tokens = block.reshape(b * w).index_select(0, gather_index)  # [M]
         x = F.embedding(tokens, self.fwd.model.embed)  # [M, hidden]
@@ -170,9 +212,7 @@ class PackedVerify:
                 cache.k[i],
                 cache.v[i],
                 positions,
-                row,
-                kv_slot,
-                pad_index,
+                place,
                 gather_index,
                 b,
                 w,
