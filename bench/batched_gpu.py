@@ -19,7 +19,8 @@ replays the same graphs) and once timed; candidates and baseline share the proce
 weights. Every row's tokens are compared with batched AR; rows that differ are token-forced
 (``specpilot.forcing``: near-ties are counted, a mismatch fails). Reported per variant: decode
 tok/s over all rows (prefill excluded), speedup over AR, τ (committed tokens per row-cycle, bonus
-included), verify ms per cycle (CUDA events), packed rows per cycle. JSON goes to
+included), verify ms per cycle (CUDA events), packed rows per cycle; and the packed verify's cost against
+its rows (B, 2B, 4B, 8B, 16B rows; graph replays, median) at each concurrency. JSON goes to
 ``DIR/batched_gpu.json`` after every concurrency; a short table is printed last.
 """
 
@@ -54,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--thresholds", default="0.25", help="row-block-len survival thresholds")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--budget-s", type=float, default=300.0, help="start no concurrency after")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no concurrency after")
+    ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     t = args.tiny
@@ -62,6 +64,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.taus = args.taus or ("1.5,3,5" if t else "2,4,6.5")
     args.prompt_len = args.prompt_len or (10 if t else 128)
     args.new_tokens = args.new_tokens or (24 if t else 128)
+    args.iters = args.iters or (2 if t else 20)
     return args
 
 
@@ -182,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 **check_rows(target, prompts, ref, [r.tokens for r in res]),
             }
             result["runs"].append(row)
+            if name == "ragged-fixed":  # verify cost vs packed rows at this concurrency
+                curve = {}
+                for m in sorted({conc * f for f in (1, 2, 4, 8)} | {conc * bsize}):
+                    curve[str(m)] = 1e3 * eng.time_packed_verify(m, iters=args.iters)
+                result.setdefault("packed_verify_ms_by_rows", {})[str(conc)] = curve
+                print(f"[batched_gpu] B={conc} packed verify ms by rows {curve}", flush=True)
             print(
                 f"[batched_gpu] B={conc} {name} {tok_s:.1f} tok/s ({row['speedup']:.2f}x), "
                 f"τ {row['tau']:.2f}, verify {row['verify_ms']:.2f} ms, "

@@ -463,3 +463,22 @@ class StaticEngine:
             self.runner.run(("time", k, attn_len), fn, self.state)  # type: ignore[arg-type]
 
         return time_call(once, self.device, iters, warmup=1)
+
+    @torch.inference_mode()
+    def time_packed_verify(self, rows: int, iters: int = 20) -> float:
+        """Seconds per packed verify of ``rows`` tokens spread evenly over the batch (capped at
+        ``k + 1`` per row) at the current committed state, by replaying its graph (median of 3
+        runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
+        assert self.state is not None and self.layout is not None
+        b, w = self.state.batch_size, self.k + 1
+        if not 1 <= rows <= b * w:
+            raise ValueError(f"rows must be in [1, {b * w}], got {rows}.")
+        widths = [min(w, rows // b + (1 if i < rows % b else 0)) for i in range(b)]
+        self.layout.fill(widths, rows)
+        attn_len = self.bucket(max(self._dev_len) + self.k)
+        fn = self._packed_verify_fn(rows, attn_len)
+
+        def once() -> None:
+            self.runner.run(("time_packed", rows, attn_len), fn, self.state)  # type: ignore[arg-type]
+
+        return time_call(once, self.device, iters, warmup=1)
