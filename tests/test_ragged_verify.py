@@ -334,3 +334,16 @@ def test_packed_triton_kernel_in_interpreter() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "packed kernel ok" in out.stdout
+
+
+def test_policy_must_cover_active_rows() -> None:
+    """An active row given width 0 would commit an unverified token: the engine refuses it."""
+
+    class Starve(FixedWidths):
+        def widths(self, active: list[bool]) -> list[int]:  # type: ignore[override]
+            return [0 for _ in active]
+
+    model = tiny("llama")
+    eng = StaticEngine(model, _block(model), attn_bucket=16, width_policy=Starve())
+    with pytest.raises(ValueError, match="every active row"):
+        eng.generate(PROMPTS, 8)

@@ -359,6 +359,8 @@ class StaticEngine:
         ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4)) if self.profile else ()
         policy = self.width_policy
         widths = policy.widths(active) if policy is not None else [k + 1] * len(active)
+        if any(a and not 1 <= w <= k + 1 for a, w in zip(active, widths, strict=True)):
+            raise ValueError(f"A width policy must give every active row 1..{k + 1} tokens.")
         if ev:
             ev[0].record()
         self._run_draft()
