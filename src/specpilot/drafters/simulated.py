@@ -19,6 +19,10 @@ per cycle = block - 1, every position accepted with the same conditional rate α
 count, or ``block - 1`` padded with the last rate). Accepted lengths are drawn by stratified
 sampling over windows of 64 cycles, so a run's mean lands on the profile's τ quickly.
 
+Heterogeneous batches: ``row_profiles`` gives row b the profile ``row_profiles[b % len]`` (its
+own schedule, seeded per row), so the rows of one batch accept at different rates, as requests of
+a served batch do.
+
 Every figure produced with this wrapper must be labelled ``SIM_LABEL``.
 """
 
@@ -125,14 +129,22 @@ class AcceptanceProfile:
 class SimulatedAcceptance:
     """Wraps a :class:`StaticDrafter`; see the module docstring."""
 
-    def __init__(self, inner: StaticDrafter, profile: AcceptanceProfile, seed: int = 0) -> None:
-        if profile.k != inner.k:
-            raise ValueError(
-                f"The profile has {profile.k} draft positions but the drafter drafts {inner.k}; "
-                f"give block={inner.k + 1}."
-            )
+    def __init__(
+        self,
+        inner: StaticDrafter,
+        profile: AcceptanceProfile,
+        seed: int = 0,
+        row_profiles: Sequence[AcceptanceProfile] = (),
+    ) -> None:
+        for p in (profile, *row_profiles):
+            if p.k != inner.k:
+                raise ValueError(
+                    f"The profile has {p.k} draft positions but the drafter drafts {inner.k}; "
+                    f"give block={inner.k + 1}."
+                )
         self.inner = inner
         self.profile = profile
+        self.row_profiles = tuple(row_profiles)
         self.seed = seed
         self.name = f"{inner.name} ({SIM_LABEL})"
         self.k = inner.k
@@ -143,7 +155,7 @@ class SimulatedAcceptance:
         """Tokens of oracle computed per reference run."""
         self._covered: list[int] = []  # per row: oracle known below this position
         self._oracle: Tensor | None = None  # [B, S] expected token at each position
-        self._schedule: Tensor | None = None  # [S] accepted length per cycle
+        self._schedule: Tensor | None = None  # [B, S] accepted length per row and cycle
         self._host: list[list[int]] = []
         self._vocab = 1
 
@@ -152,7 +164,14 @@ class SimulatedAcceptance:
         st = engine.state
         assert st is not None
         self._oracle = torch.zeros_like(st.tokens)
-        sched = self.profile.schedule(st.capacity, self.seed)
+        if self.row_profiles:
+            n = len(self.row_profiles)
+            sched = [
+                self.row_profiles[b % n].schedule(st.capacity, self.seed + 1000 * b)
+                for b in range(st.batch_size)
+            ]
+        else:  # one schedule shared by every row
+            sched = [self.profile.schedule(st.capacity, self.seed)] * st.batch_size
         self._schedule = torch.tensor(sched, dtype=torch.int64, device=st.tokens.device)
         self._vocab = engine.target.cfg.vocab_size
 
@@ -188,12 +207,13 @@ class SimulatedAcceptance:
         st, oracle, sched = engine.state, self._oracle, self._schedule
         assert st is not None and oracle is not None and sched is not None
         dev, k = oracle.device, self.k
-        miss_at = sched.index_select(0, st.cycle.clamp(max=sched.shape[0] - 1))  # [1]
+        cycle = st.cycle.clamp(max=sched.shape[1] - 1)  # [1]
+        miss_at = sched.index_select(1, cycle)  # [B, 1]
         pos = torch.arange(k, device=dev)[None, :]  # [1, k]
         idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
         window = oracle.gather(1, idx)  # [B, k] the target's own continuation
         wrong = (window + 1) % self._vocab
-        st.drafts[:, :k].copy_(torch.where(pos == miss_at[:, None], wrong, window))
+        st.drafts[:, :k].copy_(torch.where(pos == miss_at, wrong, window))
         st.draft_lens.fill_(k)
 
     def after_cycle(

@@ -7,16 +7,21 @@ the plug points it declared (the target's ``argmax_head``, ``verify_fn``, the dr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpilot.drafters.base import Drafter
+from specpilot.drafters.static_base import StaticDrafter
 from specpilot.engine.batching import BatchScheduler, BlockPolicy
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.loop import SpecEngine, VerifyFn
 from specpilot.engine.strategy import VerifyStrategy
 from specpilot.engine.verify import greedy_verify
+from specpilot.engine.widths import WidthPolicy
 from specpilot.errors import SpecPilotError
 from specpilot.runtime import LoadedModel, build_drafter, load_model, parse_device, parse_dtype
+
+if TYPE_CHECKING:
+    from specpilot.engine.static_engine import StaticEngine
 
 
 @dataclass(slots=True)
@@ -32,6 +37,10 @@ class EngineBuild:
     """Verify strategy (plug point ``verify_strategy``); None = the chain with ``verify_fn``."""
     block_policy: BlockPolicy | None = None
     """Per-request block length in batched mode (plug point ``drafter_schedule``); None = k."""
+    width_policy: WidthPolicy | None = None
+    """Per-row verify widths of the static batched engine (plug point ``drafter_schedule``)."""
+    packed_bucket: int = 0
+    """Packed ragged verify of the static engine: rows rounded up to this (0 = padded verify)."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
 
@@ -65,6 +74,18 @@ class EngineBuild:
         """Batched plain AR over the same weights: the baseline for batched speedups."""
         return BatchScheduler(
             self.target.model, slots=slots, segment_tokens=segment_tokens, max_context=max_context
+        )
+
+    def static_engine(self, drafter: StaticDrafter | None, **options: Any) -> StaticEngine:
+        """The static (CUDA-graph) engine over the target with this build's batched mechanisms."""
+        from specpilot.engine.static_engine import StaticEngine
+
+        return StaticEngine(
+            self.target.model,
+            drafter,
+            width_policy=self.width_policy,
+            packed_bucket=self.packed_bucket,
+            **options,
         )
 
     def stock_engine(self) -> SpecEngine:

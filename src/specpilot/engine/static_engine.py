@@ -13,6 +13,11 @@ Same contract and results as :class:`~specpilot.engine.loop.SpecEngine` (greedy,
 
 Attention-length buckets are multiples of ``attn_bucket`` chosen on the host from the lengths
 it already knows, so no extra sync is needed to pick a graph.
+
+Batched ragged mode (``packed_bucket > 0`` or a ``width_policy``): each row verifies its own width
+``w_b <= k + 1`` chosen on the host by the policy (``engine/widths.py``) from the accepted lengths
+it already read back; the verify runs packed (``models/packed_forward.py``: projections, MLP and LM
+head on ``sum(w_b)`` rows rounded up to ``packed_bucket``), one graph per (rows, attention bucket).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from specpilot.drafters.static_base import StaticDrafter
 from specpilot.engine.cuda_graphs import GraphRunner
 from specpilot.engine.device_state import DecodeState, accept_and_commit
 from specpilot.engine.loop import GenerationResult
+from specpilot.engine.widths import FixedWidths, WidthPolicy
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.packed_forward import PackedLayout, PackedVerify, bucket_rows
 from specpilot.models.static_forward import StaticForward
 from specpilot.models.transformer import Transformer
 from specpilot.timing import time_call
@@ -78,6 +85,8 @@ class StaticEngine:
         max_verify_width: int = 0,
         profile: bool = False,
         fuse_residual: bool | None = None,
+        width_policy: WidthPolicy | None = None,
+        packed_bucket: int = 0,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -96,6 +105,18 @@ class StaticEngine:
         self.verify_hidden: Tensor | None = None  # [n_sel, B, k+1, hidden]
         self._dev_len: list[int] = []  # host mirror of state.committed_len
         self._final_len: list[int] = []  # prompt + max_new_tokens per row
+        if width_policy is not None and drafter is None:
+            raise ValueError("A width policy needs a drafter; plain AR verifies one token per row.")
+        if packed_bucket < 0:
+            raise ValueError(f"packed_bucket must be at least 0, got {packed_bucket}.")
+        if width_policy is not None or packed_bucket > 0:
+            self.width_policy: WidthPolicy | None = width_policy or FixedWidths()
+            self.packed_bucket = packed_bucket or 16
+        else:
+            self.width_policy, self.packed_bucket = None, 0
+        self.packed = PackedVerify(self.fwd)
+        self.layout: PackedLayout | None = None
+        self.rows_verified = 0  # packed rows (bucket padding included) summed over cycles
 
     # ------------------------------------------------------------------ setup
     def bucket(self, need: int) -> int:
@@ -124,6 +145,11 @@ class StaticEngine:
                     device=self.device,
                 )
                 if layers
+                else None
+            )
+            self.layout = (
+                PackedLayout.allocate(batch, self.k + 1, self.device)
+                if self.width_policy is not None
                 else None
             )
             if self.drafter is not None:
@@ -155,6 +181,37 @@ class StaticEngine:
         assert self.state is not None
         hidden = self.k > 0 and k == self.k and self.verify_hidden is not None
         self.runner.run(("verify", k, attn_len, hidden), self._verify_fn(k, attn_len), self.state)
+
+    def _packed_verify_fn(self, rows: int, attn_len: int) -> Callable[[], None]:
+        st, cache, layout, k = self.state, self.cache, self.layout, self.k
+        assert st is not None and cache is not None and layout is not None and self.drafter
+        layers = self.drafter.hidden_layers if self.verify_hidden is not None else ()
+
+        def step() -> None:
+            st.draft_lens.copy_(layout.data[3, : st.batch_size])
+            block = torch.cat([st.pending[:, None], st.drafts[:, :k]], dim=1)  # [B, k+1]
+            self.packed(
+                block,
+                layout,
+                rows,
+                cache,
+                st.committed_len - 1,
+                attn_len,
+                st.verify_argmax,
+                layers,
+                self.verify_hidden,
+            )
+
+        return step
+
+    def _run_packed_verify(self, widths: list[int], attn_len: int) -> None:
+        assert self.state is not None and self.layout is not None
+        full = len(widths) * (self.k + 1)
+        rows = min(bucket_rows(sum(widths), self.packed_bucket), full)  # [M] real + padding
+        self.layout.fill(widths, rows)
+        self.rows_verified += rows
+        fn = self._packed_verify_fn(rows, attn_len)
+        self.runner.run(("packed_verify", rows, attn_len), fn, self.state)
 
     def _run_accept(self, k: int) -> None:
         st = self.state
@@ -220,6 +277,9 @@ class StaticEngine:
         st.draft_lens.zero_()
         self._dev_len = [n + 1 for n in lens]
         self._final_len = [n + extra for n in lens]
+        self.rows_verified = 0
+        if self.width_policy is not None:
+            self.width_policy.reset(b, self.k, self.packed_bucket)
         if self.drafter is not None:
             self.drafter.prefill(self, padded_d, lens_d, hidden)
         return first.tolist()
@@ -297,12 +357,19 @@ class StaticEngine:
         st, k = self.state, self.k
         assert st is not None and self.drafter is not None
         ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4)) if self.profile else ()
+        policy = self.width_policy
+        widths = policy.widths(active) if policy is not None else [k + 1] * len(active)
+        if any(a and not 1 <= w <= k + 1 for a, w in zip(active, widths, strict=True)):
+            raise ValueError(f"A width policy must give every active row 1..{k + 1} tokens.")
         if ev:
             ev[0].record()
         self._run_draft()
         if ev:
             ev[1].record()
-        self._run_verify(k, self.bucket(max(self._dev_len) + k))
+        if policy is not None:
+            self._run_packed_verify(widths, self.bucket(max(self._dev_len) + k))
+        else:
+            self._run_verify(k, self.bucket(max(self._dev_len) + k))
         if ev:
             ev[2].record()
         self._run_accept(k)
@@ -320,7 +387,9 @@ class StaticEngine:
             committed.append((row, self._dev_len[row], toks))
             self._dev_len[row] += n + 1
             self._append(row, toks, results, active, eos, max_new)
-            results[row].stats.record(k, n, n + 1)
+            results[row].stats.record(widths[row] - 1, n, n + 1)
+            if policy is not None:
+                policy.observe(row, widths[row] - 1, n)
         self.drafter.after_cycle(self, committed)
 
     def _append(
@@ -394,5 +463,24 @@ class StaticEngine:
 
         def once() -> None:
             self.runner.run(("time", k, attn_len), fn, self.state)  # type: ignore[arg-type]
+
+        return time_call(once, self.device, iters, warmup=1)
+
+    @torch.inference_mode()
+    def time_packed_verify(self, rows: int, iters: int = 20) -> float:
+        """Seconds per packed verify of ``rows`` tokens spread evenly over the batch (capped at
+        ``k + 1`` per row) at the current committed state, by replaying its graph (median of 3
+        runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
+        assert self.state is not None and self.layout is not None
+        b, w = self.state.batch_size, self.k + 1
+        if not 1 <= rows <= b * w:
+            raise ValueError(f"rows must be in [1, {b * w}], got {rows}.")
+        widths = [min(w, rows // b + (1 if i < rows % b else 0)) for i in range(b)]
+        self.layout.fill(widths, rows)
+        attn_len = self.bucket(max(self._dev_len) + self.k)
+        fn = self._packed_verify_fn(rows, attn_len)
+
+        def once() -> None:
+            self.runner.run(("time_packed", rows, attn_len), fn, self.state)  # type: ignore[arg-type]
 
         return time_call(once, self.device, iters, warmup=1)

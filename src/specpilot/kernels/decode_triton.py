@@ -56,16 +56,27 @@ def _rope_qkv_kernel(
     H,  # q heads handled here (0: only write K/V)
     H_KV,
     G,
+    place_ptr,  # PACKED: [4, M] int64: q batch row, q offset t, cache row, cache slot
+    place_stride,
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
-    b = row // T
-    t = row % T
     half: tl.constexpr = D // 2
     offs = tl.arange(0, half)
     pos = tl.load(pos_ptr + row)
+    if PACKED:
+        b = tl.load(place_ptr + row)
+        t = tl.load(place_ptr + place_stride + row)
+        kv_b = tl.load(place_ptr + 2 * place_stride + row)
+        slot = tl.load(place_ptr + 3 * place_stride + row)
+    else:
+        b = row // T
+        t = row % T
+        kv_b = b
+        slot = pos
     is_q = head < H
     kv_head = head - H
     col = tl.where(is_q, head * D, q_cols + kv_head * D)
@@ -97,7 +108,7 @@ def _rope_qkv_kernel(
         tl.store(dst + offs, o1)
         tl.store(dst + half + offs, o2)
     else:
-        off = b * cache_b_stride + kv_head * cache_h_stride + pos * D
+        off = kv_b * cache_b_stride + kv_head * cache_h_stride + slot * D
         tl.store(k_cache_ptr + off + offs, o1)
         tl.store(k_cache_ptr + off + half + offs, o2)
         vsrc = qkv_ptr + row * row_stride + q_cols + H_KV * D + kv_head * D
@@ -152,8 +163,73 @@ def rope_qkv_write(
         q_heads,
         kv_heads,
         g,
+        positions,
+        0,
         D=head_dim,
         HAS_NORM=has_norm,
+        PACKED=False,
+        num_warps=1,
+    )
+    return q_out
+
+
+def rope_qkv_write_packed(
+    qkv: Tensor,  # [M, q_cols + 2 * H_kv * D] contiguous: packed rows
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    batch: int,
+    width: int,
+    positions: Tensor,  # [M] int64 RoPE positions
+    place: Tensor,  # [4, M] int64: q batch row (batch = a trash slab), q offset, cache row, slot
+    cos_table: Tensor,
+    sin_table: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    eps: float,
+    k_cache: Tensor,  # [B, H_kv, S, D]
+    v_cache: Tensor,
+) -> Tensor:
+    """The packed ragged verify's RoPE + K/V write + query scatter in one launch.
+
+    Packed row i is rotated at ``positions[i]``, its K/V written at cache ``(place[2, i],
+    place[3, i])`` and its query heads scattered to row ``place[1, i]`` of batch ``place[0, i]``
+    of the padded block. Returns q ``[B + 1, H_kv, G*W, D]`` (zeros where no row landed; slab B
+    collects the bucket's padding rows and is not attended).
+    """
+    m = qkv.shape[0]
+    g = max(q_heads // kv_heads, 1)
+    q_out = torch.zeros(
+        batch + 1, kv_heads, g * width, head_dim, dtype=qkv.dtype, device=qkv.device
+    )
+    assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
+    assert v_cache.stride() == k_cache.stride() and place.stride(1) == 1
+    has_norm = q_norm is not None and k_norm is not None
+    dummy = cos_table
+    _rope_qkv_kernel[(m, q_heads + kv_heads)](
+        qkv,
+        qkv.stride(0),
+        q_heads * head_dim,
+        positions,
+        cos_table,
+        sin_table,
+        q_norm if has_norm else dummy,
+        k_norm if has_norm else dummy,
+        q_out,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        eps,
+        width,
+        q_heads,
+        kv_heads,
+        g,
+        place,
+        place.stride(0),
+        D=head_dim,
+        HAS_NORM=has_norm,
+        PACKED=True,
         num_warps=1,
     )
     return q_out

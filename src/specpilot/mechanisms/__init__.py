@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
+from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
+from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
+from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
 from specpilot.mechanisms.tree_verify import MECHANISM as TREE_VERIFY
 from specpilot.mechanisms.w12 import MECHANISM as W12
 
-_ALL: tuple[Mechanism, ...] = (W12, EXACT_ARGMAX, TREE_VERIFY, ADAPTIVE_BLOCK)
+_ALL: tuple[Mechanism, ...] = (
+    W12,
+    EXACT_ARGMAX,
+    TREE_VERIFY,
+    ADAPTIVE_BLOCK,
+    RAGGED_VERIFY,
+    TIERED_BUDGET,
+    ROW_BLOCK_LEN,
+)
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
 """Name → mechanism; built once at import, never mutated."""

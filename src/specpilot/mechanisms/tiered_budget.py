@@ -1,0 +1,58 @@
+"""Tiered verification budget for the static batched engine (``engine/widths.TieredBudget``).
+
+Each cycle, ``budget × active rows`` verify tokens (rounded up to the packed bucket) are divided
+among the rows by expected gain: every row keeps its pending token plus ``min_draft`` drafts, and
+each further token goes to the row whose next draft position has the highest estimated
+probability of being accepted (its per-position acceptance EMA). At B = 16..24 a verify of
+``B × (k + 1)`` rows is no longer free, so the tokens are spent where they are likely to land.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from specpilot.engine.widths import TieredBudget
+from specpilot.errors import SpecPilotError
+from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+
+if TYPE_CHECKING:
+    from specpilot.engine.build import EngineBuild
+
+LOSSLESS = (
+    "It only chooses how many of the drafted tokens each row verifies; the verify is exact and "
+    "acceptance runs per row on its own width, so every committed token is an accepted draft "
+    "equal to the target's argmax or the target's bonus token; unverified drafts and padding "
+    "rows are never committed."
+)
+
+
+def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    if build.width_policy is not None:
+        raise SpecPilotError(
+            f"Enable only one width policy; '{build.width_policy.name}' is already enabled."
+        )
+    build.width_policy = TieredBudget(
+        budget=float(knobs["budget"]),
+        decay=float(knobs["decay"]),
+        prior=float(knobs["prior"]),
+        min_draft=int(knobs["min_draft"]),
+    )
+    build.packed_bucket = build.packed_bucket or 16
+
+
+MECHANISM = Mechanism(
+    name="tiered-budget",
+    component="verify",
+    plug_point="drafter_schedule",
+    lossless=LOSSLESS,
+    apply=_apply,
+    knobs=(
+        Knob("budget", 6.0, low=1.0, high=32.0, doc="verify tokens per active row per cycle"),
+        Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
+        Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
+        Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
+    ),
+    applies=Applicability(modes=("batched",)),
+    summary="Divide a per-cycle verify-token budget among rows by expected accepted tokens",
+)
