@@ -1,6 +1,9 @@
 """Issue 6 on the CPU with SmolLM2-135M (fp32) and real prompts: tree vs chain, exact-argmax head.
 
     PYTHONPATH=src python3 bench/mechanisms_cpu.py --out DIR [--prompts 4] [--max-new 64]
+    PYTHONPATH=src python3 bench/mechanisms_cpu.py --out DIR --device cuda --skip verify lm_head
+
+(``--device cuda`` runs the same real-acceptance comparison on a GPU, eager engine.)
 
 1. Tree vs chain at equal verify budget (1 + N tokens per target forward): n-gram chain k = N vs an
    n-gram tree of N nodes, and a draft model (SmolLM2's first --draft-layers layers + its head, an early-exit
@@ -87,6 +90,7 @@ def run_set(target: Any, tok: Any, name: str, args: argparse.Namespace) -> dict[
         rates, taus, same = [], [], 0
         for i, p in enumerate(prompts):
             engine = make()
+            engine.generate([p], 4, eos)  # warm-up (CUDA kernels, allocator)
             t0 = time.perf_counter()
             res = engine.generate([p], args.max_new, eos)[0]
             dt = time.perf_counter() - t0
@@ -207,17 +211,22 @@ def main() -> None:
         help="n-gram tree shapes as depthxwidth,... (all with --nodes nodes)",
     )
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (eager engine on the GPU)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: spec verify lm_head")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    loaded = load_model("smollm2-135m")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    loaded = load_model("smollm2-135m", dtype=dtype, device=args.device)
     target, tok = loaded.model, loaded.tokenizer
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     out: dict[str, Any] = {
         "commit": commit.stdout.strip(),
         "date": time.strftime("%Y-%m-%d"),
         "threads": args.threads,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
         "max_new": args.max_new,
         "note": "shared 2-core CPU: medians over prompts / repeats",
     }
