@@ -9,9 +9,10 @@ from __future__ import annotations
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
 from specpilot.mechanisms.tree_verify import MECHANISM as TREE_VERIFY
+from specpilot.mechanisms.two_level import MECHANISM as TWO_LEVEL
 from specpilot.mechanisms.w12 import MECHANISM as W12
 
-_ALL: tuple[Mechanism, ...] = (W12, EXACT_ARGMAX, TREE_VERIFY)
+_ALL: tuple[Mechanism, ...] = (W12, EXACT_ARGMAX, TREE_VERIFY, TWO_LEVEL)
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
 """Name → mechanism; built once at import, never mutated."""

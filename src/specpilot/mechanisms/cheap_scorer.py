@@ -46,9 +46,7 @@ class CheapScorer:
         return cache
 
     @torch.inference_mode()
-    def greedy_after(
-        self, seqs: Sequence[Sequence[int]], first: Sequence[int]
-    ) -> list[list[int]]:
+    def greedy_after(self, seqs: Sequence[Sequence[int]], first: Sequence[int]) -> list[list[int]]:
         """Per row b, the cheap model's greedy token after ``seqs[b][:p]`` for every
         ``p = first[b] .. len(seqs[b])`` (so ``len(seqs[b]) - first[b] + 1`` tokens; 1 ≤ first[b])."""
         b = len(seqs)
@@ -73,7 +71,10 @@ class CheapScorer:
             chunk[row, : len(tail)] = torch.tensor(tail, dtype=torch.int64)
         want = [len(t) - s for t, s in zip(tails, skip, strict=True)]
         rows = torch.tensor(
-            [[min(s + i, len(t) - 1) for i in range(max(want))] for t, s in zip(tails, skip)],
+            [
+                [min(s + i, len(t) - 1) for i in range(max(want))]
+                for t, s in zip(tails, skip, strict=False)
+            ],
             dtype=torch.int64,
         )  # [B, R]: the tail rows whose greedy token is wanted (short rows repeat their last)
         greedy = self.model.forward_argmax(chunk.to(dev), cache, logits_rows=rows.to(dev))

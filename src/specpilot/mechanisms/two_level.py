@@ -142,7 +142,9 @@ class TwoLevelDrafter:
         st.appended += 1
 
 
-def wrap(drafter: Drafter, target: Transformer, variant: str, max_extension: int) -> TwoLevelDrafter:
+def wrap(
+    drafter: Drafter, target: Transformer, variant: str, max_extension: int
+) -> TwoLevelDrafter:
     """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors)."""
     from specpilot.mechanisms.int8_copy import cheap_model
 
