@@ -243,7 +243,7 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "two_level_gpu.json").read_text())
     assert result["kernel"] and all(r["err_ok"] for r in result["kernel"])
     for row in result["e2e"]:
-        assert row["equal_to_ar"], row
+        assert row["equal_to_ar"] and row["lossless_ok"], row
 
 
 # ---------------------------------------------------------------- groups run in the subprocess
