@@ -13,12 +13,14 @@ from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability
 from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
 from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
 from specpilot.mechanisms.tree_verify import MECHANISM as TREE_VERIFY
+from specpilot.mechanisms.two_level import MECHANISM as TWO_LEVEL
 from specpilot.mechanisms.w12 import MECHANISM as W12
 
 _ALL: tuple[Mechanism, ...] = (
     W12,
     EXACT_ARGMAX,
     TREE_VERIFY,
+    TWO_LEVEL,
     ADAPTIVE_BLOCK,
     RAGGED_VERIFY,
     TIERED_BUDGET,

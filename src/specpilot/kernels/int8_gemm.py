@@ -1,0 +1,219 @@
+"""``y[M, N] = (x[M, K] @ q^T) * scale (+ b)`` for small M, reading an INT8 weight copy.
+
+The cheap level of two-level verification (``mechanisms/two_level.py``) reads the target's linear
+weights as per-output-channel symmetric INT8 (``mechanisms/int8_copy.py``): half the bytes of
+bf16. This kernel streams the int8 codes and dequantizes in registers.
+
+Per program: a ``[BLOCK_M, BLOCK_N]`` output tile over one K range of ``k_split`` columns. The
+dense loop loads ``x [BLOCK_M, BLOCK_K]`` (bf16) and ``q [BLOCK_N, BLOCK_K]`` (int8), converts the
+codes to bf16 (every integer in [-127, 127] is exact in bf16) and accumulates in fp32 with
+``tl.dot`` (M padded to 16), or, for one row (``USE_DOT=False``), with FMAs into a
+``[BLOCK_N, BLOCK_K]`` fp32 accumulator reduced once after the loop. The per-channel scale is
+applied once per output column after the loop (it factors out of the sum). Split-K, when there
+are too few output tiles to fill the GPU, follows ``w12_gemm``: fp32 partials, an ``acq_rel``
+arrival counter per tile, the last split sums the partials in split order (deterministic), scales,
+adds the bias and rounds to bf16 once.
+
+Result: ``Σ_k x[m,k]·q[n,k]`` in fp32 (products exact: bf16 × small integer), times ``scale[n]``,
+plus the bias, rounded to bf16; the torch reference (``int8_matmul_reference``) computes the same
+quantities in another order, so the two differ by fp32 addition order and one bf16 rounding.
+Runs under ``TRITON_INTERPRET=1`` on the CPU (the same interpreter workarounds as ``w12_gemm``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specpilot.kernels.w12_gemm import (
+    MAX_SPLIT_K,
+    GemmConfig,
+    _bf16_to_f32,
+    _f32_to_bf16,
+    _split,
+    counter_buffer,
+    default_config,
+)
+
+
+@triton.jit
+def _q_operand(q, INTERPRET: tl.constexpr):
+    """int8 codes -> a ``tl.dot`` operand: bf16 on the GPU (exact), fp32 in the interpreter."""
+    if INTERPRET:
+        return q.to(tl.float32)
+    return q.to(tl.bfloat16)
+
+
+@triton.jit
+def _x_operand(x, INTERPRET: tl.constexpr):
+    if INTERPRET:  # the interpreter's dot multiplies the raw uint16 storage of bf16
+        return _bf16_to_f32(x)
+    return x
+
+
+@triton.jit
+def _int8_step(
+    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
+    USE_DOT: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+    q_ptrs = q_ptr + offs_n[:, None] * K + ks[None, :]
+    if EVEN:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0)
+    if USE_DOT:
+        acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_q_operand(q, INTERPRET)), acc)
+    else:  # BLOCK_M == 1
+        acc += q.to(tl.float32) * _bf16_to_f32(x)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "split"])
+def _int8_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    q_ptr,  # [N, K] int8
+    scale_ptr,  # [N] fp32
+    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    y_ptr,  # [M, N] bf16, row stride stride_ym
+    part_ptr,  # [split, M, N] fp32 (split > 1)
+    count_ptr,  # [tiles] int32, zero between calls (split > 1)
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    k_split,
+    split,
+    HAS_BIAS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot take a runtime range() bound (numpy >= 2)
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _int8_step(
+                acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
+                USE_DOT, EVEN, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+            k0 += BLOCK_K
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _int8_step(
+                acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
+                USE_DOT, EVEN, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+    if not USE_DOT:
+        acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
+
+    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]  # [1, BN]
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if split == 1:
+        acc = acc * scale
+        if HAS_BIAS:
+            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
+    else:
+        tile_off = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(MAX_SPLIT):
+                if s < split:
+                    total += tl.load(
+                        part_ptr + s * M * N + tile_off,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+            total = total * scale
+            if HAS_BIAS:
+                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+def int8_matmul(
+    x: Tensor,  # [M, K] bf16, unit stride along K
+    q: Tensor,  # [N, K] int8 contiguous
+    scale: Tensor,  # [N] fp32
+    counters: Tensor,  # from counter_buffer(N)
+    bias: Tensor | None = None,  # [N] bf16
+    cfg: GemmConfig | None = None,
+) -> Tensor:  # [M, N] bf16
+    """``(x @ q^T) * scale (+ bias)`` with the int8 codes dequantized in registers."""
+    m, k = x.shape
+    n = q.shape[0]
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError("x must be bf16 with unit stride along K")
+    if q.dtype != torch.int8 or not q.is_contiguous() or q.shape[1] != k:
+        raise ValueError(f"q must be a contiguous int8 [N, {k}] matrix")
+    if scale.dtype != torch.float32 or scale.shape != (n,):
+        raise ValueError(f"scale must be fp32 [{n}]")
+    cfg = cfg or default_config(m, n, k)
+    if not cfg.use_dot and m != 1:
+        raise ValueError("the FMA GEMV config (use_dot=False) takes one row")
+    bm = 1 if not cfg.use_dot else min(64, max(16, triton.next_power_of_2(m)))
+    split, k_split = _split(m, n, k, cfg, x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
+    if split > 1 and grid[0] * grid[1] > counters.numel():
+        raise ValueError("counter buffer too small for this split-K launch")
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = (
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        if split > 1
+        else counters.view(torch.float32)
+    )
+    _int8_kernel[grid](
+        x, q, scale, bias if bias is not None else x, y, part, counters,
+        m, n, k, x.stride(0), y.stride(0), k_split, split,
+        HAS_BIAS=bias is not None, USE_DOT=cfg.use_dot,
+        EVEN=n % cfg.block_n == 0 and k % k_split == 0,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, MAX_SPLIT=MAX_SPLIT_K,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def int8_matmul_reference(
+    x: Tensor,  # [M, K]
+    q: Tensor,  # [N, K] int8
+    scale: Tensor,  # [N] fp32
+    bias: Tensor | None = None,  # [N]
+) -> Tensor:  # [M, N] in x's dtype
+    """Torch reference: fp32 ``(x @ q^T) * scale + bias``, cast to x's dtype."""
+    y = (x.float() @ q.float().T) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+__all__ = ["counter_buffer", "int8_matmul", "int8_matmul_reference"]

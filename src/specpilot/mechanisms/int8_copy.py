@@ -1,0 +1,159 @@
+"""An INT8 copy of a target's weights: the cheap model of two-level verification.
+
+Format: weight-only, symmetric, one fp32 scale per output channel (row of ``W [N, K]``):
+``scale[n] = max_k |W[n, k]| / 127`` and ``q[n, k] = round(W[n, k] / scale[n])`` in [-127, 127],
+so ``|W - q·scale| ≤ scale / 2`` element-wise (the round-trip bound the tests check). Half the
+bytes of bf16 plus 4 bytes per row.
+
+:func:`cheap_model` builds a second :class:`Transformer` that *shares* every tensor of the target
+(embeddings, norms, biases, RoPE tables: nothing copied) and computes every decoder linear layer
+from the INT8 copy (``DecoderLayer.linear_fns``) and its greedy token from an INT8 LM head
+(``Transformer.argmax_head``). It is a different, approximate model: it never decides a committed
+token, it only proposes. Rows beyond ``max_m`` per call (prefill) use the target's own weights, so
+the cheap model's KV of a prompt is computed exactly; that can only raise its agreement.
+
+Why not INT6: 6-bit codes read 0.75× the bytes of INT8 (the cheap level would fall from ~0.5 to
+~0.4 of an exact verify), but they do not sit on byte boundaries, so the kernel must unpack them
+with shifts and masks; the W12 measurement (docs/MECHANISMS.md) shows this GPU's small-M GEMMs
+turning ALU-bound under exactly that kind of in-register decode (0.40–0.53× the bf16 kernel), and
+the per-channel error is 4× larger (lower agreement). Not built until INT8 shows the cheap level
+paying at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpilot.errors import SpecPilotError
+from specpilot.kernels import triton_usable
+from specpilot.models.transformer import DecoderLayer, Transformer
+
+LINEAR_NAMES = ("w_qkv", "w_o", "w_gate_up", "w_down")
+QMAX = 127
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    q: Tensor  # [N, K] int8 codes in [-127, 127]
+    scale: Tensor  # [N] fp32, > 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+
+def quantize(w: Tensor) -> Int8Weight:
+    """Per-output-channel symmetric INT8 of a 2-D weight ``[N, K]`` (any float dtype)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise SpecPilotError("INT8 quantization takes a 2-D floating-point weight matrix.")
+    wf = w.detach().float()
+    if not bool(torch.isfinite(wf).all()):
+        raise SpecPilotError("The weight has NaN or Inf entries; it cannot be quantized to INT8.")
+    amax = wf.abs().amax(dim=1)  # [N]
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
+    q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # [N, K]
+    return Int8Weight(q=q.contiguous(), scale=scale.contiguous())
+
+
+def dequantize(w: Int8Weight, dtype: torch.dtype = torch.float32) -> Tensor:  # [N, K]
+    return (w.q.float() * w.scale[:, None]).to(dtype)
+
+
+class Int8Linear:
+    """``fn(x [.., K], bias [N] | None) -> [.., N]`` from an INT8 copy of ``weight``.
+
+    bf16 inputs of at most ``max_m`` rows run the Triton kernel (when ``use_triton``); other
+    inputs of at most ``max_m`` rows the torch reference; more rows (prefill) ``F.linear`` on the
+    original ``weight``.
+    """
+
+    def __init__(self, weight: Tensor, max_m: int = 64, use_triton: bool | None = None) -> None:
+        from specpilot.kernels.int8_gemm import counter_buffer
+
+        self.weight = weight  # [N, K]: the target's parameter, used for M > max_m
+        self.int8 = quantize(weight)
+        self.max_m = max_m
+        self.use_triton = triton_usable(weight.device) if use_triton is None else use_triton
+        self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        from specpilot.kernels.int8_gemm import int8_matmul, int8_matmul_reference
+
+        n, k = self.int8.shape
+        x2 = x.reshape(-1, k)  # [M, K]
+        m = x2.shape[0]
+        if m == 0 or m > self.max_m:
+            return F.linear(x, self.weight, bias)
+        if self.use_triton and x.dtype == torch.bfloat16:
+            if x2.stride(1) != 1:
+                x2 = x2.contiguous()
+            y = int8_matmul(x2, self.int8.q, self.int8.scale, self.counters, bias)  # [M, N]
+        else:
+            y = int8_matmul_reference(x2, self.int8.q, self.int8.scale, bias)  # [M, N]
+        return y.view(*x.shape[:-1], n)
+
+
+class Int8ArgmaxHead:
+    """``x [B, R, hidden] -> [B, R]`` greedy tokens of the INT8 LM head (lowest id on ties)."""
+
+    def __init__(self, lm_head: Tensor, max_m: int = 64, use_triton: bool | None = None) -> None:
+        self.linear = Int8Linear(lm_head, max_m, use_triton)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.linear(x).argmax(dim=-1)
+
+
+def cheap_model(
+    target: Transformer,
+    max_m: int = 64,
+    lm_head: bool = True,
+    use_triton: bool | None = None,
+) -> Transformer:
+    """A model sharing ``target``'s tensors whose linear layers (and LM head) read INT8 copies."""
+    cheap = Transformer(target.cfg, dtype=target.dtype, device="meta", max_positions=1)
+    for name, param in target.named_parameters(recurse=False):
+        setattr(cheap, name, param)
+    if target.cfg.tie_word_embeddings:
+        cheap.lm_head = cheap.embed
+    cheap.rope_cos, cheap.rope_sin = target.rope_cos, target.rope_sin
+    for src, dst in zip(target.layers, cheap.layers, strict=True):
+        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
+        for name, param in src.named_parameters(recurse=False):
+            setattr(dst, name, param)
+        for name in LINEAR_NAMES:
+            dst.linear_fns[name] = Int8Linear(getattr(src, name), max_m, use_triton)
+    if lm_head:
+        cheap.argmax_head = Int8ArgmaxHead(target.lm_head, max_m, use_triton)
+    return cheap
+
+
+def int8_nbytes(model: Transformer) -> int:
+    """Bytes of the INT8 copies installed in ``model`` (linear layers and LM head)."""
+    total = 0
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        for fn in layer.linear_fns.values():
+            if isinstance(fn, Int8Linear):
+                total += fn.int8.nbytes()
+    head = model.argmax_head
+    if isinstance(head, Int8ArgmaxHead):
+        total += head.linear.int8.nbytes()
+    return total
+
+
+__all__ = [
+    "Int8ArgmaxHead",
+    "Int8Linear",
+    "Int8Weight",
+    "cheap_model",
+    "dequantize",
+    "int8_nbytes",
+    "quantize",
+]

@@ -1,0 +1,203 @@
+"""Two-level verification: an INT8 copy of the target corrects the draft before the exact verify.
+
+Variant built (*correct*, optionally *extend*), per row and cycle:
+
+1. the inner drafter (n-gram, draft model, ...) proposes ``d_1..d_k``;
+2. the cheap model (``int8_copy.cheap_model``: the target's weights in per-channel INT8, ~half the
+   bytes) runs **once** on the context tail and ``d_1..d_k`` and gives its greedy token ``c_i``
+   after each prefix ``d_1..d_i`` (i = 0..k);
+3. the block keeps the agreed prefix ``d_1..d_n`` (``d_i == c_{i-1}``) and ends with ``c_n``: the
+   cheap model's replacement of the first disagreeing token, or, when it agrees with all k, its
+   own next token (free: the same forward computed it);
+4. ``correct-extend`` only: the cheap model then appends its greedy tokens one forward (of one
+   token) at a time, up to ``max_extension`` more;
+5. the exact target verifies the block as usual (``ChainStrategy``, ``greedy_verify``).
+
+**Why it is lossless.** Steps 1–4 only choose which tokens the exact target is asked about; step
+5 is the unchanged chain verify, which commits the longest prefix equal to the exact target's own
+argmax plus its own bonus token. So every committed token is the exact target's argmax given the
+committed prefix, whatever the cheap model outputs (the tests replace it by random tokens). The
+cheap model's KV cache is its own (``CheapScorer``), rolled back to the common prefix of what it
+fed and what the engine committed, so nothing it does can reach the target's cache.
+
+**Why this variant.** The exact verify of a block of ≤ 16–32 tokens costs about one weight pass
+on a memory-bound GPU, whatever the block holds; the win of a cycle is its committed tokens. With
+the drafter right for ``m`` tokens, one-level commits ``m + 1``; the corrected block commits
+``m + 2`` when the cheap model agrees with the exact target at the first ``m + 1`` positions
+(probability ≈ a^(m+1) for a per-token agreement a; ~0.99+ for INT8 of bf16), and the extension
+adds the cheap model's own run of agreeing tokens (it is then a self-speculative INT8 drafter on
+top of the inner one). Costs: one cheap forward over ``1 + k`` rows (~0.5 of an exact verify in
+weight bytes) plus one cheap one-row forward per extension token. Pruning instead (sending fewer
+positions to the exact verify) saves nothing where the verify cost is flat in its width, and
+choosing the verify width needs no model at all, so both were set aside. ``two_level_cost``
+predicts both sides; roughly, correction pays when the one-level τ is below ~2 (the +1 token per
+cycle must beat the ~1.5× cycle), and loses when the drafter already agrees with the target
+(high τ), when the verify is not memory-bound (the CPU: the cheap level is not cheaper there),
+or when the cheap model is far from the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specpilot.drafters.base import Drafter, DraftProposal
+from specpilot.errors import SpecPilotError
+from specpilot.mechanisms.cheap_scorer import CheapScorer
+from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from specpilot.engine.build import EngineBuild
+
+VARIANTS = ("correct", "correct-extend")
+
+
+@dataclass(slots=True)
+class TwoLevelStats:
+    """Counts over every proposed row-cycle (inactive rows excluded)."""
+
+    rows: int = 0
+    """Row-cycles proposed."""
+    drafted: int = 0
+    """Tokens the inner drafter proposed."""
+    kept: int = 0
+    """Drafted tokens the cheap model agreed with (the kept prefixes)."""
+    replaced: int = 0
+    """Row-cycles where the cheap model replaced a drafted token."""
+    appended: int = 0
+    """Cheap tokens put in blocks: replacements, free next tokens and extensions."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "rows": self.rows,
+            "drafted": self.drafted,
+            "kept": self.kept,
+            "replaced": self.replaced,
+            "appended": self.appended,
+            "kept_frac": self.kept / max(self.drafted, 1),
+        }
+
+
+class TwoLevelDrafter:
+    """Wraps any :class:`Drafter`: its proposals are corrected (and extended) by a cheap model."""
+
+    def __init__(self, inner: Drafter, cheap: Transformer, max_extension: int = 0) -> None:
+        if max_extension < 0:
+            raise ValueError(f"max_extension must be at least 0, got {max_extension}")
+        self.inner = inner
+        self.cheap = cheap
+        self.scorer = CheapScorer(cheap)
+        self.max_extension = max_extension
+        self.name = f"{inner.name}+two-level"
+        self.k = inner.k + 1 + max_extension
+        self.stats = TwoLevelStats()
+
+    def start(self, contexts: Sequence[Sequence[int]]) -> None:
+        self.inner.start(contexts)
+        self.scorer.start(len(contexts))
+
+    def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
+        inner_lens = [min(m, self.inner.k) for m in max_lens]
+        inner = self.inner.propose(contexts, inner_lens)
+        drafts = inner.tokens.tolist()
+        rows = [b for b, m in enumerate(max_lens) if m > 0]
+        blocks: list[list[int]] = [[] for _ in contexts]
+        if rows:
+            seqs = [[*contexts[b], *drafts[b][: inner.lengths[b]]] for b in range(len(contexts))]
+            greedy = self.scorer.greedy_after(seqs, [len(c) for c in contexts])
+            for b in rows:
+                drafted = drafts[b][: inner.lengths[b]]
+                n = 0
+                while n < len(drafted) and drafted[n] == greedy[b][n]:
+                    n += 1
+                blocks[b] = [*drafted[:n], greedy[b][n]][: max_lens[b]]
+                self._count(drafted, n)
+            for _ in range(self.max_extension):
+                grow = [b for b in rows if len(blocks[b]) < max_lens[b]]
+                if not grow:
+                    break
+                seqs = [[*contexts[b], *blocks[b]] for b in range(len(contexts))]
+                nxt = self.scorer.greedy_after(seqs, [len(s) for s in seqs])
+                for b in grow:
+                    blocks[b].append(nxt[b][0])
+                    self.stats.appended += 1
+        width = max((len(blk) for blk in blocks), default=0)
+        tokens = torch.zeros(len(contexts), width, dtype=torch.int64)
+        for b, blk in enumerate(blocks):
+            tokens[b, : len(blk)] = torch.tensor(blk, dtype=torch.int64)
+        return DraftProposal(
+            tokens=tokens.to(inner.tokens.device), lengths=[len(blk) for blk in blocks]
+        )
+
+    def _count(self, drafted: list[int], n: int) -> None:
+        st = self.stats
+        st.rows += 1
+        st.drafted += len(drafted)
+        st.kept += n
+        st.replaced += int(n < len(drafted))
+        st.appended += 1
+
+
+def wrap(
+    drafter: Drafter, target: Transformer, variant: str, max_extension: int
+) -> TwoLevelDrafter:
+    """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors)."""
+    from specpilot.mechanisms.int8_copy import cheap_model
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    extension = max_extension if variant == "correct-extend" else 0
+    return TwoLevelDrafter(drafter, cheap_model(target), extension)
+
+
+def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    if build.drafter is None:
+        raise SpecPilotError("two-level verification needs a drafter; choose one with --drafter.")
+    build.drafter = wrap(
+        build.drafter, build.target.model, knobs["variant"], int(knobs["max_extension"])
+    )
+
+
+MECHANISM = Mechanism(
+    name="two-level",
+    component="verify",
+    plug_point="verify_strategy",
+    lossless=(
+        "The INT8 copy only rewrites the drafted block (keeps the prefix it agrees with, replaces "
+        "the first disagreement by its own greedy token, optionally extends); the exact target then "
+        "verifies the block with the unchanged chain verify, so it has the final word on every "
+        "committed token. The cheap model has its own KV cache, rolled back to the common prefix."
+    ),
+    apply=_apply,
+    knobs=(
+        Knob("bits", 8, choices=(8,), doc="bits per weight of the cheap copy (INT8 only)"),
+        Knob(
+            "variant",
+            "correct",
+            choices=VARIANTS,
+            doc="correct: fix the first disagreement (or add the cheap next token); "
+            "correct-extend: then append cheap greedy tokens one forward each",
+        ),
+        Knob(
+            "max_extension",
+            4,
+            low=1,
+            high=16,
+            doc="cheap greedy tokens appended after the correction (correct-extend only)",
+        ),
+    ),
+    # Memory-bound verify (cuda, bf16) is where the cheap level is ~half an exact verify; on the
+    # CPU the reference dequantizes per call and costs more than the exact forward. Eager drafters
+    # only. It still loses where the drafter already agrees with the target (one-level tau above
+    # ~2 for ``correct``): two_level_cost.predict says so per deployment.
+    applies=Applicability(
+        devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=("ngram", "draft-model")
+    ),
+    summary="INT8 copy of the target corrects (and extends) each draft before the exact verify",
+)
+
+__all__ = ["MECHANISM", "VARIANTS", "TwoLevelDrafter", "TwoLevelStats", "wrap"]
