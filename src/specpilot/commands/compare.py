@@ -59,7 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def stock_of(tuned: EngineConfig) -> EngineConfig:
     """What the stock engine of a deployment is: the same drafter at its defaults, no mechanism."""
     k = 4 if tuned.deployment.drafter == "draft-model" else 8
-    knobs = {"max_n": 3, "min_n": 1} if tuned.deployment.drafter == "ngram" else {}
+    knobs: dict[str, int] = {"max_n": 3, "min_n": 1} if tuned.deployment.drafter == "ngram" else {}
+    if "exit_layers" in tuned.drafter_knobs:  # the early-exit draft model keeps its depth
+        knobs["exit_layers"] = int(tuned.drafter_knobs["exit_layers"])
     return EngineConfig(deployment=tuned.deployment, k=k, drafter_knobs=knobs)
 
 
