@@ -189,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
             settings,
             gap_order=gap_order,
             resume=args.resume,
+            log=lambda m: print(m, flush=True),
         )
         try:
             outcome = loop.run()

@@ -77,31 +77,33 @@ class LocalSearchExplorer:
         return out
 
     def propose(self, base: EngineConfig, n: int) -> list[Proposal]:
+        """Up to ``n`` unvisited points: the defaults first, then neighbours of the best told
+        point, then random ones. A point that derives ``base`` itself (already measured: the
+        loop's best) is skipped."""
         knobs = self.direction.params
         seen = {self._key(p) for p in self._proposed.values()}
-        picked: list[dict[str, Any]] = []
+        pool: list[dict[str, Any]] = []
         if not self._proposed:
-            picked.append({k.name: k.default for k in knobs})
-        elif not knobs:
-            return []
-        for cand in self._candidates():
-            if len(picked) >= n:
+            pool.append({k.name: k.default for k in knobs})
+        if knobs:
+            pool += self._candidates()
+            pool += [
+                {k.name: _random_value(k, self._rng) for k in knobs} for _ in range(50 * max(n, 1))
+            ]
+        out: list[Proposal] = []
+        for params in pool:
+            if len(out) >= n:
                 break
-            key = self._key(cand)
-            if key not in seen and all(self._key(p) != key for p in picked):
-                picked.append(cand)
-        for _ in range(50 * n):  # neighbourhood exhausted: random unvisited points
-            if len(picked) >= n or not knobs:
-                break
-            cand = {k.name: _random_value(k, self._rng) for k in knobs}
-            key = self._key(cand)
-            if key not in seen and all(self._key(p) != key for p in picked):
-                picked.append(cand)
-        out = []
-        for params in picked[:n]:
+            key = self._key(params)
+            if key in seen:
+                continue
+            seen.add(key)
+            cfg = self.direction.derive(base, params)
+            if cfg == base:
+                continue
             number = len(self._proposed)
             self._proposed[number] = params
-            out.append(Proposal(self.name, params, self.direction.derive(base, params), number))
+            out.append(Proposal(self.name, params, cfg, number))
         return out
 
     def tell(self, trial_number: int, speedup: float) -> None:

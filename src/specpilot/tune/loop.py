@@ -52,6 +52,9 @@ class TuneSettings:
     seed: int = 0
     explorer: str = "auto"
     """Knob proposer: ``tpe`` (Optuna), ``local`` (local search, no dependency), ``auto``."""
+    patience: int = 1
+    """Rounds a direction may go without a winner (since the last improvement) before it counts
+    as exhausted; the loop stops when every direction is exhausted."""
 
 
 @dataclass(slots=True)
@@ -214,7 +217,9 @@ class TuneLoop:
             if r.forcing_ok and r.speedup > outcome.best.speedup:
                 outcome.best = r
 
-        stale: set[str] = set()  # directions tried without a winner since the last improvement
+        stale: dict[
+            str, int
+        ] = {}  # rounds without a winner per direction since the last improvement
         for round_ in range(1, s.rounds + 1):
             if not self._time_left():
                 self.log(f"[{_clock(self.elapsed())}] time budget spent")
@@ -251,11 +256,12 @@ class TuneLoop:
             tried = [d for d in picked if d.name not in won]
             self.directions = [d for d in self.directions if d not in tried] + tried
             if not winners:
-                stale.update(d.name for d in picked)
+                for d in picked:
+                    stale[d.name] = stale.get(d.name, 0) + 1
                 left = [
                     d.name
                     for d in self.directions
-                    if d.name not in stale and d.name not in self.quarantined
+                    if stale.get(d.name, 0) < s.patience and d.name not in self.quarantined
                 ]
                 if not left:
                     self.log(
@@ -265,7 +271,7 @@ class TuneLoop:
                     break
                 self.log(f"round {round_}: no winner; next: {', '.join(left)}")
                 continue
-            stale = set()
+            stale = {}
             best_round = max(winners, key=lambda w: w[1].speedup)
             by_direction: dict[str, tuple[Proposal, TrialResult]] = {}
             for p, r in winners:
