@@ -138,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(resolve_model(dep.target))
     prompts = [tok.apply_chat_template(p.messages) for p in prompts_spec]
     print(
-        f"tuning {dep.target} with {dep.drafter} on {device} ({dep.dtype}, {dep.mode}); {len(prompts)} prompts"
+        f"tuning {dep.target} with {dep.drafter} on {device} ({dep.dtype}, {dep.mode}); "
+        f"{len(prompts)} prompts; loading and measuring stock AR ...",
+        flush=True,
     )
     if args.executor == "ray":
         try:
@@ -159,14 +161,19 @@ def run(args: argparse.Namespace) -> int:
         dep.target, dep.drafter, dep.draft_model, device, dep.dtype, dep.mode
     )
     label = f"{dep.target} · {dep.drafter} · {fp.device_name} · {dep.dtype} · {dep.mode}"
+    print(
+        f"[{time.perf_counter() - started:.0f}s] loaded; stock AR {executor.ar_tok_s:.1f} tok/s",
+        flush=True,
+    )
     gap_order: tuple[str, ...] = STATIC_GAP_ORDER
     if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
+        print("profiling the stock engine to rank the gaps ...", flush=True)
         gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
         print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
     reserve = compare_reserve_s(args.compare_limit, args.max_new_tokens, executor.ar_tok_s)
     search_budget = args.budget - (time.perf_counter() - started) - reserve
     print(
-        f"[{time.perf_counter() - started:.0f}s] AR {executor.ar_tok_s:.1f} tok/s; search budget "
+        f"[{time.perf_counter() - started:.0f}s] search budget "
         f"{max(search_budget, 0):.0f}s ({reserve:.0f}s kept for the final compare)"
     )
     settings = TuneSettings(
@@ -255,8 +262,16 @@ def profiled_gap_order(
 
     build = build_engine(base, target=evaluator.stock)
     ceilings = measure_ceilings(evaluator.device, evaluator.dtype)
+    # One prompt and two timing rounds: enough to order the components, and cheap enough to leave
+    # the main job's budget to the search.
     result = profile_engines(
-        build.stock_engine(), build.engine(), prompts, max_new_tokens, evaluator.eos_ids, ceilings
+        build.stock_engine(),
+        build.engine(),
+        prompts[:1],
+        max_new_tokens,
+        evaluator.eos_ids,
+        ceilings,
+        rounds=2,
     )
     ranked = [g.component for g in result.prediction.gaps() if g.lost_s_per_token > 0]
     return tuple(dict.fromkeys([*ranked, *STATIC_GAP_ORDER]))
