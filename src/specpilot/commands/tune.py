@@ -166,11 +166,15 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     gap_order: tuple[str, ...] = STATIC_GAP_ORDER
-    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
-        print("profiling the stock engine to rank the gaps ...", flush=True)
-        gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
-        print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
     reserve = compare_reserve_s(args.compare_limit, args.max_new_tokens, executor.ar_tok_s)
+    left = args.budget - (time.perf_counter() - started) - reserve
+    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
+        if left < 0.6 * args.budget:  # a slow or busy machine: keep the time for the search
+            print(f"only {max(left, 0):.0f}s left for the search: gaps ranked in the static order")
+        else:
+            print("profiling the stock engine to rank the gaps ...", flush=True)
+            gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
+            print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
     search_budget = args.budget - (time.perf_counter() - started) - reserve
     print(
         f"[{time.perf_counter() - started:.0f}s] search budget "
