@@ -244,3 +244,21 @@ def test_tune_targets_bench_tiny_end_to_end(tmp_path):
         assert r["warm_start"]["warm_reused"]  # the warm run re-measured deployment A's best
     assert data["gpu"]["label"] == "simulated acceptance"
     assert res["cpu"]["grid"]["configs"] == 3 * 5  # k x the 5 distinct (min_n, max_n) pairs
+
+
+@pytest.mark.slow
+def test_smollm2_early_exit_drafter_equals_ar():
+    from specpilot.bench.prompts import load_prompt_set
+    from specpilot.runtime import load_model
+
+    smol = load_model("smollm2-135m", torch.float32, "cpu", 2048)
+    tok = smol.tokenizer
+    assert tok is not None
+    prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set("copy-heavy", 2)]
+    eos = list(tok.eos_token_ids)
+    ar = [r.tokens for r in SpecEngine(smol.model).generate(prompts, 32, eos)]
+    for layers in early_exit_layers(smol.model.cfg.num_layers)[1:2]:  # 12 of 30
+        drafter = build_drafter("draft-model", smol, 4, None, {"exit_layers": layers})
+        spec = SpecEngine(smol.model, drafter).generate(prompts, 32, eos)
+        assert [r.tokens for r in spec] == ar
+        assert all(r.stats.mean_accepted_len > 1.0 for r in spec)
