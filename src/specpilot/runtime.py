@@ -88,6 +88,15 @@ def build_drafter(
             f"Unknown drafter '{name}'; choose one of none, {', '.join(sorted(DRAFTERS))}."
         )
     knobs = dict(knobs or {})
+    if name == "draft-model" and draft_model is None and "exit_layers" in knobs:
+        # No separate draft model: the target's first ``exit_layers`` layers draft (early exit).
+        from specpilot.drafters.early_exit import early_exit_model
+
+        try:
+            early = early_exit_model(target.model, int(knobs["exit_layers"]))
+        except ValueError as e:
+            raise SpecPilotError(f"{e}.") from None
+        return make_drafter(name, model=early, k=k, target_vocab_size=target.model.cfg.vocab_size)
     if name == "draft-model":
         if draft_model is None:
             raise SpecPilotError(

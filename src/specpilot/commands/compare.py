@@ -16,7 +16,7 @@ from specpilot.bench.runner import force_records, timed_generate, warm_up
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
 from specpilot.errors import SpecPilotError
-from specpilot.runtime import dtype_name, parse_device
+from specpilot.runtime import LoadedModel, dtype_name, parse_device
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,11 +59,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def stock_of(tuned: EngineConfig) -> EngineConfig:
     """What the stock engine of a deployment is: the same drafter at its defaults, no mechanism."""
     k = 4 if tuned.deployment.drafter == "draft-model" else 8
-    knobs = {"max_n": 3, "min_n": 1} if tuned.deployment.drafter == "ngram" else {}
+    knobs: dict[str, int] = {"max_n": 3, "min_n": 1} if tuned.deployment.drafter == "ngram" else {}
+    if "exit_layers" in tuned.drafter_knobs:  # the early-exit draft model keeps its depth
+        knobs["exit_layers"] = int(tuned.drafter_knobs["exit_layers"])
     return EngineConfig(deployment=tuned.deployment, k=k, drafter_knobs=knobs)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
+    """``target``: the stock target already loaded by the caller (``tune``), to save a reload;
+    it must be the unmodified model of the configs' deployment."""
     import torch
 
     if args.threads:
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecPilotError(
             f"No prompts left after skipping {args.skip}; lower --skip or pick another set."
         )
-    stock_build = build_engine(stock_cfg)
+    stock_build = build_engine(stock_cfg, target=None if stock_cfg.mechanisms else target)
     target = stock_build.target
     tok = target.tokenizer
     assert tok is not None

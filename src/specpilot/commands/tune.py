@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +22,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="search lossless mechanisms and knobs for this deployment",
         description="Rounds of: rank the gaps, explore the directions that attack them, evaluate "
         "candidates (every one token-forced), integrate the winners. Writes the tuned engine config, "
-        "a report with charts and the price of the search, and updates the memory.",
+        "a report with charts and the price of the search, and updates the memory; then compares "
+        "tuned vs stock vs AR on held-out prompts. With no flags it tunes the embedded default "
+        "(SmolLM2-135M, n-gram and early-exit drafters) within 9 minutes.",
     )
     p.add_argument(
         "--prompts", default="copy-heavy", help="tuning prompt set (default: %(default)s)"
     )
     p.add_argument(
-        "--limit", type=int, default=4, help="prompts used for tuning (default: %(default)s)"
+        "--limit", type=int, default=3, help="prompts used for tuning (default: %(default)s)"
     )
     p.add_argument("--max-new-tokens", type=int, default=64, help="(default: %(default)s)")
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="search rounds after the stock round (default: %(default)s)",
+        default=8,
+        help="most search rounds after the stock round (default: %(default)s)",
     )
     p.add_argument(
         "--trials",
@@ -49,7 +52,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="directions explored per round (default: %(default)s)",
     )
     p.add_argument(
-        "--budget", type=float, default=1800.0, help="time budget in seconds (default: %(default)s)"
+        "--budget",
+        type=float,
+        default=540.0,
+        help="wall-clock seconds for the whole command, loading, search and final compare "
+        "included; the search stops early enough to leave time for the compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--explorer",
+        choices=["auto", "tpe", "local"],
+        default="auto",
+        help="knob proposer: Optuna TPE, local search (no dependency), or TPE when Optuna is "
+        "installed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--compare-limit",
+        type=int,
+        default=4,
+        help="held-out prompts (after the tuning ones) for the final compare; 0 skips it "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--min-gain",
@@ -104,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.tune.report import write_report
     from specpilot.tune.space import directions_for
 
+    started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
     base = config_from_args(args)
@@ -116,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(resolve_model(dep.target))
     prompts = [tok.apply_chat_template(p.messages) for p in prompts_spec]
     print(
-        f"tuning {dep.target} with {dep.drafter} on {device} ({dep.dtype}, {dep.mode}); {len(prompts)} prompts"
+        f"tuning {dep.target} with {dep.drafter} on {device} ({dep.dtype}, {dep.mode}); "
+        f"{len(prompts)} prompts; loading and measuring stock AR ...",
+        flush=True,
     )
     if args.executor == "ray":
         try:
@@ -129,29 +153,46 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     else:
         executor = LocalExecutor(base, prompts, args.max_new_tokens)
-    arch = (
-        executor.evaluator.stock.model.cfg.arch if isinstance(executor, LocalExecutor) else "llama"
-    )
+    arch, num_layers = "llama", None
+    if isinstance(executor, LocalExecutor):
+        arch = executor.evaluator.stock.model.cfg.arch
+        num_layers = executor.evaluator.stock.model.cfg.num_layers
     fp = fingerprint_deployment(
         dep.target, dep.drafter, dep.draft_model, device, dep.dtype, dep.mode
     )
     label = f"{dep.target} · {dep.drafter} · {fp.device_name} · {dep.dtype} · {dep.mode}"
+    print(
+        f"[{time.perf_counter() - started:.0f}s] loaded; stock AR {executor.ar_tok_s:.1f} tok/s",
+        flush=True,
+    )
+    gap_order: tuple[str, ...] = STATIC_GAP_ORDER
+    reserve = compare_reserve_s(args.compare_limit, args.max_new_tokens, executor.ar_tok_s)
+    left = args.budget - (time.perf_counter() - started) - reserve
+    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
+        if left < 0.6 * args.budget:  # a slow or busy machine: keep the time for the search
+            print(f"only {max(left, 0):.0f}s left for the search: gaps ranked in the static order")
+        else:
+            print("profiling the stock engine to rank the gaps ...", flush=True)
+            gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
+            print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
+    search_budget = args.budget - (time.perf_counter() - started) - reserve
+    print(
+        f"[{time.perf_counter() - started:.0f}s] search budget "
+        f"{max(search_budget, 0):.0f}s ({reserve:.0f}s kept for the final compare)"
+    )
     settings = TuneSettings(
         rounds=args.rounds,
         trials_per_direction=args.trials,
         directions_per_round=args.directions,
-        budget_seconds=args.budget,
+        budget_seconds=max(search_budget, 0.0),
         min_gain=args.min_gain,
         seed=args.seed,
+        explorer=args.explorer,
     )
-    gap_order: tuple[str, ...] = STATIC_GAP_ORDER
-    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
-        gap_order = profiled_gap_order(executor.evaluator, base, prompts, args.max_new_tokens)
-        print(f"gaps ranked by a profile of the stock engine: {', '.join(gap_order)}")
     with MemoryStore(args.memory or default_memory()) as store:
         loop = TuneLoop(
             base,
-            directions_for(base, device.type, arch),
+            directions_for(base, device.type, arch, num_layers),
             executor,
             store,
             fp,
@@ -159,14 +200,16 @@ def run(args: argparse.Namespace) -> int:
             settings,
             gap_order=gap_order,
             resume=args.resume,
+            log=lambda m: print(m, flush=True),
         )
         try:
             outcome = loop.run()
         finally:
             executor.close()
     args.out.mkdir(parents=True, exist_ok=True)
-    tuned = args.out / "tuned.json"
+    tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
+    base.save(stock)
     report = write_report(outcome, label, device.type, args.out, tuned)
     print(
         f"tuned: {outcome.best.tok_s:.1f} tok/s, {outcome.best.speedup:.2f}x AR "
@@ -175,7 +218,42 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine config: {tuned}\nreport: {report}")
     for r in outcome.reused:
         print(f"reused from memory: {r}")
-    return 0
+    if args.compare_limit <= 0:
+        return 0
+    held_out = len(load_prompt_set(args.prompts, args.limit + args.compare_limit)) - args.limit
+    if held_out <= 0:
+        print(f"no held-out prompts left in {args.prompts} after the tuning ones: compare skipped")
+        return 0
+    from specpilot.commands import compare
+
+    print(
+        f"[{time.perf_counter() - started:.0f}s] compare on {args.compare_limit} held-out prompts "
+        f"of {args.prompts} (after the {args.limit} tuning ones):"
+    )
+    cmp_args = argparse.Namespace(
+        engine=tuned,
+        stock=stock,
+        prompts=args.prompts,
+        skip=args.limit,
+        limit=args.compare_limit,
+        max_new_tokens=args.max_new_tokens,
+        threads=None,
+        out=args.out / "compare.jsonl",
+        json=False,
+    )
+    loaded = executor.evaluator.stock if isinstance(executor, LocalExecutor) else None
+    rc = compare.run(cmp_args, target=loaded)
+    print(f"[{time.perf_counter() - started:.0f}s] done")
+    return rc
+
+
+def compare_reserve_s(prompts: int, max_new_tokens: int, ar_tok_s: float) -> float:
+    """Seconds to keep for the final compare: AR, stock and tuned generation of every held-out
+    prompt (speculative counted at AR speed, to be safe), token forcing, and building the engines
+    (the loaded target is reused)."""
+    if prompts <= 0:
+        return 0.0
+    return 3.5 * prompts * max_new_tokens / max(ar_tok_s, 1e-6) + 10.0
 
 
 def profiled_gap_order(
@@ -190,8 +268,16 @@ def profiled_gap_order(
 
     build = build_engine(base, target=evaluator.stock)
     ceilings = measure_ceilings(evaluator.device, evaluator.dtype)
+    # One prompt and two timing rounds: enough to order the components, and cheap enough to leave
+    # the main job's budget to the search.
     result = profile_engines(
-        build.stock_engine(), build.engine(), prompts, max_new_tokens, evaluator.eos_ids, ceilings
+        build.stock_engine(),
+        build.engine(),
+        prompts[:1],
+        max_new_tokens,
+        evaluator.eos_ids,
+        ceilings,
+        rounds=2,
     )
     ranked = [g.component for g in result.prediction.gaps() if g.lost_s_per_token > 0]
     return tuple(dict.fromkeys([*ranked, *STATIC_GAP_ORDER]))

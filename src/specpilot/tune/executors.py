@@ -23,6 +23,9 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
+    width = 1
+    """Candidates evaluated at once (the loop checks its budget between such chunks)."""
+
     def __init__(
         self, base: EngineConfig, prompts: Sequence[list[int]], max_new_tokens: int
     ) -> None:
@@ -63,6 +66,8 @@ class RayExecutor:
         )
         self._actors = [actor_cls.remote(base, list(prompts), max_new_tokens) for _ in range(n)]
         self._ray = ray
+        self.width = n
+        """Candidates evaluated at once (the loop checks its budget between such chunks)."""
         self.ar_tok_s = sum(ray.get([a.ar_tok_s.remote() for a in self._actors])) / n
 
     def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:

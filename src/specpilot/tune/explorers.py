@@ -1,5 +1,8 @@
 """One explorer per direction: proposes parameter values with Optuna's TPE sampler.
 
+``make_explorer`` picks it when Optuna is installed, else the seeded local search of
+``local_search.py`` (no dependency), and says which.
+
 The first proposal of a direction is its defaults (so "just enable the mechanism" is always
 tried); later ones come from TPE, which learns from every result told back, failed gates
 included (told as speedup 0, so the sampler moves away from them).
@@ -97,3 +100,25 @@ class Explorer:
         trial = self._pending.pop(trial_number, None)
         if trial is not None:
             self._study.tell(trial, speedup)
+
+
+def optuna_available() -> bool:
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_explorer(direction: Direction, seed: int = 0, kind: str = "auto") -> Proposer:
+    """The explorer of ``direction``: ``tpe`` (Optuna), ``local`` (no dependency) or ``auto``
+    (TPE when Optuna is installed)."""
+    if kind == "auto":
+        kind = "tpe" if optuna_available() else "local"
+    if kind == "tpe":
+        return Explorer(direction, seed=seed)
+    if kind == "local":
+        from specpilot.tune.local_search import LocalSearchExplorer
+
+        return LocalSearchExplorer(direction, seed=seed)
+    raise ValueError(f"Unknown explorer kind '{kind}'; choose auto, tpe or local.")

@@ -7,7 +7,10 @@ round r: rank the gaps → the explorers of the directions that attack the bigge
          token-forced (a mismatch rejects it, logged with its first mismatch) → passing candidates
          that beat the best by ``min_gain`` are winners → winners from different directions are
          stacked and the stack re-measured (gains do not simply add) → memory is updated.
-Stop at the round or time budget, or after a round that improves nothing.
+Stop at the round or time budget, or after a round that improves nothing. The time budget is a
+wall-clock deadline checked before every candidate: a candidate is started only if the time left
+covers the slowest trial so far, so the last round is cut short cleanly (its finished candidates
+are still integrated) instead of overrunning.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.executors import Executor
-from specpilot.tune.explorers import Explorer, Proposal
+from specpilot.tune.explorers import Proposal, Proposer, make_explorer
 from specpilot.tune.space import Direction, config_hash, describe
 
 STATIC_GAP_ORDER = (
@@ -47,6 +50,11 @@ class TuneSettings:
     min_gain: float = 0.02
     """A candidate must beat the best speedup by this fraction to count as a winner (noise margin)."""
     seed: int = 0
+    explorer: str = "auto"
+    """Knob proposer: ``tpe`` (Optuna), ``local`` (local search, no dependency), ``auto``."""
+    patience: int = 1
+    """Rounds a direction may go without a winner (since the last improvement) before it counts
+    as exhausted; the loop stops when every direction is exhausted."""
 
 
 @dataclass(slots=True)
@@ -55,6 +63,8 @@ class Trial:
     explorer: str
     result: TrialResult
     reused_from: str | None = None
+    elapsed: float = 0.0
+    """Seconds since the loop started when this trial finished (0 for one reused on resume)."""
 
 
 @dataclass(slots=True)
@@ -95,7 +105,12 @@ class TuneLoop:
         self.base, self.executor, self.store, self.fp = base, executor, store, fingerprint
         self.settings, self.log = settings, log
         self.directions = rank_directions(directions, gap_order)
-        self.explorers = {d.name: Explorer(d, seed=settings.seed) for d in self.directions}
+        self.by_name = {d.name: d for d in self.directions}
+        self.explorers: dict[str, Proposer] = {
+            d.name: make_explorer(d, settings.seed, settings.explorer) for d in self.directions
+        }
+        self.t0 = time.perf_counter()
+        self.slowest_trial = 0.0
         self.quarantined: set[str] = set()
         self.deployment = store.add_deployment(fingerprint, label)
         previous = store.latest_run(self.deployment) if resume else None
@@ -112,12 +127,30 @@ class TuneLoop:
             self.done = {}
 
     # ------------------------------------------------------------------ helpers
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _time_left(self) -> bool:
+        """True if one more trial (as slow as the slowest so far) fits in the budget."""
+        return self.elapsed() + self.slowest_trial <= self.settings.budget_seconds
+
     def _evaluate(
-        self, round_: int, explorer: str, configs: Sequence[EngineConfig]
+        self, round_: int, explorer: str, configs: Sequence[EngineConfig], force: bool = False
     ) -> list[TrialResult]:
-        """Evaluate configs not already finished in this run; record each as it comes back."""
+        """Evaluate configs not already finished in this run; record each as it comes back.
+
+        Configs are sent in chunks of the executor's width; before each chunk the budget is
+        checked (unless ``force``), so the result may be shorter than ``configs``."""
+        width = max(1, int(getattr(self.executor, "width", 1)))
         todo = [c for c in configs if config_hash(c) not in self.done]
-        results = {config_hash(r.config): r for r in self.executor.map(todo)} if todo else {}
+        results: dict[str, TrialResult] = {}
+        for i in range(0, len(todo), width):
+            if not force and not self._time_left():
+                self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
+                break
+            for r in self.executor.map(todo[i : i + width]):
+                results[config_hash(r.config)] = r
+                self.slowest_trial = max(self.slowest_trial, r.wall_seconds)
         out = []
         for c in configs:
             h = config_hash(c)
@@ -137,7 +170,7 @@ class TuneLoop:
                     r.wall_seconds,
                 )
                 self.done[h] = self.store.trials(run=self.run_id)[-1]
-            else:
+            elif h in self.done:
                 row = self.done[h]
                 r = TrialResult(
                     config=c,
@@ -152,51 +185,63 @@ class TuneLoop:
                     phase_seconds=row.metrics.get("phase_seconds", {}),
                     error=row.metrics.get("error"),
                 )
+            else:  # cut by the budget
+                break
             verdict = "ok" if r.forcing_ok else f"REJECTED by token forcing {r.forcing}"
             self.log(
-                f"  [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, {r.speedup:.2f}x AR, τ {r.tau:.2f}, {verdict}"
+                f"  [{_clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
+                f"{r.speedup:.2f}x AR, τ {r.tau:.2f}, {verdict}"
             )
             out.append(r)
         return out
 
     # --------------------------------------------------------------------- loop
     def run(self) -> TuneOutcome:
-        t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         s = self.settings
         self.log(f"round 0: stock engine ({describe(self.base)}) and warm start")
-        stock = self._evaluate(0, "stock", [self.base])[0]
+        stock = self._evaluate(0, "stock", [self.base], force=True)[0]
         outcome = TuneOutcome(stock=stock, best=stock, ar_tok_s=self.executor.ar_tok_s)
-        outcome.trials.append(Trial(0, "stock", stock))
+        outcome.trials.append(Trial(0, "stock", stock, elapsed=self.elapsed()))
         for label, _sim, row in self.store.similar_validated(self.fp):
             try:
                 cfg = _with_deployment(EngineConfig.from_dict(row["config"]), self.base)
             except Exception:
                 continue
-            r = self._evaluate(0, "memory", [cfg])[0]
-            outcome.trials.append(Trial(0, "memory", r, reused_from=label))
+            got = self._evaluate(0, "memory", [cfg])
+            if not got:
+                break
+            r = got[0]
+            outcome.trials.append(Trial(0, "memory", r, reused_from=label, elapsed=self.elapsed()))
             outcome.reused.append(f"{label}: {describe(cfg)} → {r.speedup:.2f}x here")
             if r.forcing_ok and r.speedup > outcome.best.speedup:
                 outcome.best = r
 
+        stale: dict[
+            str, int
+        ] = {}  # rounds without a winner per direction since the last improvement
         for round_ in range(1, s.rounds + 1):
-            if time.perf_counter() - t0 > s.budget_seconds:
-                self.log("time budget spent")
+            if not self._time_left():
+                self.log(f"[{_clock(self.elapsed())}] time budget spent")
                 break
             outcome.rounds_run = round_
             picked = [d for d in self.directions if d.name not in self.quarantined][
                 : s.directions_per_round
             ]
             self.log(
-                f"round {round_}: directions {', '.join(d.name for d in picked)} (best so far {outcome.best.speedup:.2f}x)"
+                f"[{_clock(self.elapsed())}] round {round_}: directions "
+                f"{', '.join(d.name for d in picked)} (best so far {outcome.best.speedup:.2f}x)"
             )
             winners: list[tuple[Proposal, TrialResult]] = []
             for d in picked:
+                if not self._time_left():
+                    break
                 ex = self.explorers[d.name]
                 proposals = ex.propose(outcome.best.config, s.trials_per_direction)
                 results = self._evaluate(round_, d.name, [p.config for p in proposals])
-                for p, r in zip(proposals, results, strict=True):
+                for p, r in zip(proposals, results, strict=False):  # shorter if cut by the budget
                     ex.tell(p.trial_number, r.speedup if r.forcing_ok else 0.0)
-                    outcome.trials.append(Trial(round_, d.name, r))
+                    outcome.trials.append(Trial(round_, d.name, r, elapsed=self.elapsed()))
                     if r.forcing_ok and r.speedup > outcome.best.speedup * (1 + s.min_gain):
                         winners.append((p, r))
                 if d.name.startswith("mechanism:") and any(not r.forcing_ok for r in results):
@@ -205,11 +250,28 @@ class TuneLoop:
                     self.quarantined.add(d.name)
                     winners = [w for w in winners if w[0].explorer != d.name]
                     self.log(f"  {d.name} quarantined: a candidate with it failed token forcing")
+            # A direction whose candidates all lost yields its slot to the next one next round,
+            # so every direction gets tried within the budget, not only the top-ranked ones.
+            won = {p.explorer for p, _ in winners}
+            tried = [d for d in picked if d.name not in won]
+            self.directions = [d for d in self.directions if d not in tried] + tried
             if not winners:
-                self.log(
-                    f"round {round_}: no candidate beat {outcome.best.speedup:.2f}x by {s.min_gain:.0%}; stopping"
-                )
-                break
+                for d in picked:
+                    stale[d.name] = stale.get(d.name, 0) + 1
+                left = [
+                    d.name
+                    for d in self.directions
+                    if stale.get(d.name, 0) < s.patience and d.name not in self.quarantined
+                ]
+                if not left:
+                    self.log(
+                        f"round {round_}: no candidate beat {outcome.best.speedup:.2f}x by "
+                        f"{s.min_gain:.0%} and every direction was tried since; stopping"
+                    )
+                    break
+                self.log(f"round {round_}: no winner; next: {', '.join(left)}")
+                continue
+            stale = {}
             best_round = max(winners, key=lambda w: w[1].speedup)
             by_direction: dict[str, tuple[Proposal, TrialResult]] = {}
             for p, r in winners:
@@ -222,11 +284,11 @@ class TuneLoop:
             if len(by_direction) > 1:  # integrate: stack every direction's winner, re-measure
                 stacked = outcome.best.config
                 for p, _ in by_direction.values():
-                    stacked = self.explorers[p.explorer].direction.derive(stacked, p.params)
-                r = self._evaluate(round_, "integrate", [stacked])[0]
-                outcome.trials.append(Trial(round_, "integrate", r))
-                if r.forcing_ok and r.speedup > new_best.speedup:
-                    new_best = r
+                    stacked = self.by_name[p.explorer].derive(stacked, p.params)
+                for r in self._evaluate(round_, "integrate", [stacked]):
+                    outcome.trials.append(Trial(round_, "integrate", r, elapsed=self.elapsed()))
+                    if r.forcing_ok and r.speedup > new_best.speedup:
+                        new_best = r
             outcome.best = new_best
             h = config_hash(new_best.config)
             self.store.validate(
@@ -242,7 +304,7 @@ class TuneLoop:
                 self.done[config_hash(stock.config)].id,
             )
         self.store.finish_run(self.run_id)
-        outcome.wall_seconds = time.perf_counter() - t0
+        outcome.wall_seconds = self.elapsed()
         outcome.device_seconds = sum(t.result.device_seconds for t in outcome.trials)
         return outcome
 
@@ -254,7 +316,17 @@ def _cfg(c: EngineConfig) -> dict[str, Any]:
 
 
 def _with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
-    """A config validated elsewhere, moved onto this deployment (knobs and mechanisms kept)."""
+    """A config validated elsewhere, moved onto this deployment (knobs and mechanisms kept; an
+    early-exit draft model, which needs no separate model, is kept too)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, deployment=base.deployment)
+    dep = base.deployment
+    if cfg.deployment.drafter == "draft-model" and "exit_layers" in cfg.drafter_knobs:
+        dep = dataclasses.replace(dep, drafter="draft-model", draft_model=None)
+    elif cfg.deployment.drafter != dep.drafter:
+        raise ValueError("the remembered config uses another drafter")
+    return dataclasses.replace(cfg, deployment=dep)
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60:02d}:{int(seconds) % 60:02d}"

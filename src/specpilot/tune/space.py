@@ -37,8 +37,24 @@ def _with_k(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
 
 
 def _with_ngram(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    if base.deployment.drafter != "ngram":  # n-gram sizes mean nothing to another drafter
+        return base
     lo, hi = sorted((int(p["min_n"]), int(p["max_n"])))
     return dataclasses.replace(base, drafter_knobs={**base.drafter_knobs, "min_n": lo, "max_n": hi})
+
+
+def _with_early_exit(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    """Switch to the early-exit draft model (the target's first ``exit_layers`` layers)."""
+    dep = dataclasses.replace(base.deployment, drafter="draft-model", draft_model=None)
+    return dataclasses.replace(
+        base, deployment=dep, k=int(p["k"]), drafter_knobs={"exit_layers": int(p["exit_layers"])}
+    )
+
+
+def early_exit_layers(num_layers: int) -> tuple[int, ...]:
+    """Candidate exit depths: about 1/4, 2/5, 8/15 and 2/3 of the target's layers."""
+    fracs = (1 / 4, 2 / 5, 8 / 15, 2 / 3)
+    return tuple(sorted({min(max(1, round(num_layers * f)), num_layers - 1) for f in fracs}))
 
 
 def _mechanism_direction(name: str) -> Direction:
@@ -52,8 +68,12 @@ def _mechanism_direction(name: str) -> Direction:
     )
 
 
-def directions_for(base: EngineConfig, device: str, arch: str) -> list[Direction]:
-    """Every direction that applies to the deployment of ``base``."""
+def directions_for(
+    base: EngineConfig, device: str, arch: str, num_layers: int | None = None
+) -> list[Direction]:
+    """Every direction that applies to the deployment of ``base``. Given the target's
+    ``num_layers``, an n-gram deployment without a draft model also gets the early-exit draft
+    model (the same-tokenizer drafter that is always on hand) as a direction."""
     dep = base.deployment
     out: list[Direction] = []
     if dep.drafter != "none":
@@ -76,6 +96,19 @@ def directions_for(base: EngineConfig, device: str, arch: str) -> list[Direction
                     Knob("min_n", int(kn.get("min_n", 1)), low=1, high=3),
                 ),
                 _with_ngram,
+            )
+        )
+    if dep.drafter == "ngram" and dep.draft_model is None and num_layers and num_layers >= 2:
+        layers = early_exit_layers(num_layers)
+        out.append(
+            Direction(
+                "early-exit-drafter",
+                ("draft",),
+                (
+                    Knob("exit_layers", layers[len(layers) // 2], choices=layers),
+                    Knob("k", 4, low=1, high=8),
+                ),
+                _with_early_exit,
             )
         )
     drafter = dep.drafter

@@ -1,0 +1,561 @@
+"""Issue 5 targets: the loop against an exhaustive grid, and a warm start against a cold one.
+
+    PYTHONPATH=src python3 bench/tune_targets.py --setting cpu --out DIR    # SmolLM2, real acceptance
+    PYTHONPATH=src python3 bench/tune_targets.py --setting gpu --out DIR    # H200, 8B shape, <= 5 min
+    PYTHONPATH=src python3 bench/tune_targets.py --setting both --tiny --out DIR   # CI path, CPU
+
+Per setting, on a search space small enough to grid exhaustively (every knob categorical):
+1. **Grid**: every distinct config, each measured once, in a seeded shuffled order (so machine drift
+   does not line up with a knob), every one checked lossless (CPU fp32: tokens equal to AR's; GPU
+   bf16: token forcing under the stock target).
+2. **Loop**: ``TuneLoop`` on the same directions, with a wall-clock budget of ``--loop-fraction``
+   (default 0.2) of the grid's wall time. Its best config is looked up in the grid, so both bests
+   are on one ruler: reported as loop best / grid best (target >= 0.95) and loop seconds / grid
+   seconds (target <= 0.20), seconds being the sum of per-trial cost seconds (CPU: process clock
+   of one torch thread, robust to other load; GPU: wall seconds holding the device).
+3. **Warm start**: a second deployment (CPU: the mt-bench prompts instead of copy-heavy; GPU: a
+   lower simulated acceptance profile), tuned cold (empty memory) and warm (memory holding the
+   first deployment's validated result). Time to reach its best: cost seconds until the first
+   trial within 2% of the better of the two runs' bests (``--reach``), and each run's time to
+   its own final best. Target: warm <= half of cold.
+
+Knob proposals come from Optuna's TPE when installed, else from the local-search proposer
+(``specpilot.tune.local_search``; the GPU machine has no Optuna): the JSON says which.
+GPU figures use **simulated acceptance** (real draft and verify compute, proposals from the
+target's own continuation with injected misses; weights are random) and are labelled so.
+Writes ``DIR/tune_targets.json``; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import platform
+import random
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specpilot.engine.config import DeploymentSpec, EngineConfig
+from specpilot.mechanisms import Knob
+from specpilot.memory import Fingerprint, MemoryStore
+from specpilot.tune.evaluate import TrialResult
+from specpilot.tune.explorers import optuna_available
+from specpilot.tune.loop import TuneLoop, TuneOutcome, TuneSettings
+from specpilot.tune.space import Direction, config_hash, describe
+
+Measure = Callable[[EngineConfig], TrialResult]
+
+
+# ----------------------------------------------------------------------------- search space
+def _set(field: str) -> Callable[[EngineConfig, dict[str, Any]], EngineConfig]:
+    """A derive that writes the given knobs into ``k`` or ``drafter_knobs``."""
+
+    def derive(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+        knobs = dict(base.drafter_knobs)
+        k = base.k
+        for name, v in p.items():
+            if name == "k":
+                k = int(v)
+            else:
+                knobs[name] = v
+        if field == "ngram":  # sizes are an unordered pair: (2, 4) and (4, 2) are one config
+            lo, hi = sorted((int(knobs["min_n"]), int(knobs["max_n"])))
+            knobs.update(min_n=lo, max_n=hi)
+        return dataclasses.replace(base, k=k, drafter_knobs=knobs)
+
+    return derive
+
+
+def grid(base: EngineConfig, directions: Sequence[Direction]) -> list[EngineConfig]:
+    """Every distinct config reachable by setting every knob of every direction."""
+    out: dict[str, EngineConfig] = {}
+    axes = [
+        (
+            d,
+            [
+                dict(zip([k.name for k in d.params], vs, strict=True))
+                for vs in itertools.product(*[k.choices for k in d.params])
+            ],
+        )
+        for d in directions
+    ]
+    for combo in itertools.product(*[vals for _, vals in axes]):
+        cfg = base
+        for (d, _), p in zip(axes, combo, strict=True):
+            cfg = d.derive(cfg, p)
+        out.setdefault(config_hash(cfg), cfg)
+    return list(out.values())
+
+
+# ----------------------------------------------------------------------------- executor
+class MeasureExecutor:
+    """The loop's ``Executor`` over a measure function (one candidate at a time)."""
+
+    width = 1
+
+    def __init__(self, measure: Measure, ar_tok_s: float) -> None:
+        self.measure, self.ar_tok_s = measure, ar_tok_s
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        return [self.measure(c) for c in configs]
+
+    def close(self) -> None:
+        pass
+
+
+def result(
+    cfg: EngineConfig,
+    tok_s: float,
+    ar_tok_s: float,
+    tau: float,
+    ok: bool,
+    forcing: dict[str, Any],
+    cost_s: float,
+) -> TrialResult:
+    return TrialResult(
+        config=cfg,
+        tok_s=tok_s,
+        speedup=tok_s / ar_tok_s,
+        tau=tau,
+        acceptance=[],
+        forcing_ok=ok,
+        forcing=forcing,
+        device_seconds=cost_s,
+        wall_seconds=cost_s,
+    )
+
+
+# ----------------------------------------------------------------------------- CPU setting
+def cpu_setting(args: argparse.Namespace) -> dict[str, Any]:
+    """SmolLM2 + n-gram, fp32, one torch thread, real prompts (``--tiny``: a random tiny model)."""
+    from specpilot.bench.prompts import load_prompt_set
+    from specpilot.engine import SpecEngine
+    from specpilot.runtime import LoadedModel, build_drafter, load_model
+    from specpilot.synthetic import build_target
+
+    torch.set_num_threads(1)
+    if args.tiny:
+        model = build_target("tiny-llama", torch.device("cpu"), torch.float32, seed=0)
+        target = LoadedModel(spec="tiny-llama", model=model, tokenizer=None)
+        rng = random.Random(0)
+        motif = [rng.randrange(model.cfg.vocab_size) for _ in range(6)]
+        sets = {"A": [motif * 4, motif[::-1] * 4], "B": [motif[:3] * 6, motif * 3]}
+        eos: list[int] = []
+        new_tokens, ks, max_ns = 16, (2, 4, 8), (2, 3)
+    else:
+        target = load_model("smollm2-135m", torch.float32, "cpu", 4096)
+        tok = target.tokenizer
+        assert tok is not None
+        sets = {
+            name: [tok.apply_chat_template(p.messages) for p in load_prompt_set(s, args.prompts)]
+            for name, s in (("A", "copy-heavy"), ("B", "mt-bench"))
+        }
+        eos = list(tok.eos_token_ids)
+        new_tokens, ks, max_ns = args.new_tokens or 48, (2, 4, 6, 8, 12, 16), (2, 3, 4, 5)
+    dep = DeploymentSpec(target=target.spec, drafter="ngram", device="cpu", dtype="fp32")
+    base = EngineConfig(deployment=dep, k=8, drafter_knobs={"max_n": 3, "min_n": 1})
+    directions = [
+        Direction("draft-length", ("draft", "verify"), (Knob("k", 8, choices=ks),), _set("k")),
+        Direction(
+            "ngram-sizes",
+            ("draft",),
+            (Knob("max_n", 3, choices=max_ns), Knob("min_n", 1, choices=(1, 2, 3))),
+            _set("ngram"),
+        ),
+    ]
+
+    def run(engine: Any, prompts: list[list[int]]) -> tuple[list[list[int]], float, float]:
+        """Outputs, process-clock seconds and mean accepted length (bonus included)."""
+        engine.generate([prompts[0][-8:]], 4, eos)  # warm-up, outside the clock
+        outs, secs, taus = [], 0.0, []
+        for p in prompts:
+            t0 = time.process_time()
+            res = engine.generate([p], new_tokens, eos)[0]
+            secs += time.process_time() - t0
+            outs.append(res.tokens)
+            taus.append(res.stats.mean_accepted_len)
+        return outs, secs, sum(taus) / len(taus)
+
+    def make(prompts: list[list[int]]) -> tuple[Measure, float]:
+        ar_out, ar_s, _ = run(SpecEngine(target.model), prompts)
+        ar_tok_s = sum(map(len, ar_out)) / ar_s
+
+        def measure(cfg: EngineConfig) -> TrialResult:
+            t0 = time.process_time()
+            drafter = build_drafter("ngram", target, cfg.k, None, cfg.drafter_knobs)
+            outs, secs, tau = run(SpecEngine(target.model, drafter), prompts)
+            ok = outs == ar_out
+            forcing = {"equal_to_ar": ok}
+            return result(
+                cfg,
+                sum(map(len, outs)) / secs,
+                ar_tok_s,
+                tau,
+                ok,
+                forcing,
+                time.process_time() - t0,
+            )
+
+        return measure, ar_tok_s
+
+    fp = Fingerprint(
+        target.spec,
+        "ngram",
+        platform.processor() or "cpu",
+        "",
+        "",
+        torch.__version__,
+        "fp32",
+        "single",
+    )
+    return targets(args, "cpu", base, directions, make, sets, fp, clock="process")
+
+
+# ----------------------------------------------------------------------------- GPU setting
+def gpu_setting(args: argparse.Namespace) -> dict[str, Any]:
+    """8B shape, bf16, static engine + block drafter under simulated acceptance (``--tiny``:
+    the tiny shapes in fp32 on the CPU)."""
+    from specpilot.drafters.block_drafter import BlockDrafter
+    from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
+    from specpilot.engine.static_engine import StaticEngine
+    from specpilot.forcing import force_tokens
+    from specpilot.synthetic import BLOCK_DRAFTER_SHAPES, build_target, init_random_on_device
+
+    t = args.tiny
+    dev = torch.device("cpu" if t else "cuda")
+    dtype = torch.float32 if t else torch.bfloat16
+    shape, dshape = ("tiny-llama", "tiny-block") if t else ("llama3-8b", "dflash-b16")
+    target = build_target(shape, dev, dtype, seed=0, max_positions=1024)
+    ds = BLOCK_DRAFTER_SHAPES[dshape]
+    ks = (2, 4, 8) if t else (3, 5, 7, 9, 11, 15)
+    buckets, syncs = ((32, 64), (4, 16)) if t else ((64, 256), (4, 32))
+    new_tokens, prompt_len = (24, 12) if t else (args.new_tokens or 128, 64)
+    rng = random.Random(0)
+    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(prompt_len)]
+    # Per-position acceptance falls with depth, so a longer block is not free: k has an optimum.
+    profiles = {
+        "A": [max(0.97 - 0.045 * i, 0.05) for i in range(max(ks))],
+        "B": [max(0.85 - 0.07 * i, 0.05) for i in range(max(ks))],
+    }
+    blocks: dict[int, BlockDrafter] = {}
+
+    def drafter(k: int) -> BlockDrafter:
+        if k not in blocks:
+            blocks[k] = BlockDrafter(target, ds.num_layers, k + 1, ds.num_context_layers)
+            init_random_on_device(blocks[k].weights, 2)
+        return blocks[k]
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    ar = StaticEngine(target)
+    ar.generate([prompt], new_tokens)
+    ar_res = ar.generate([prompt], new_tokens)[0]
+    ar_tok_s = max(len(ar_res.tokens) - 1, 1) / ar.times.wall
+
+    def make(rates: list[float]) -> tuple[Measure, float]:
+        def measure(cfg: EngineConfig) -> TrialResult:
+            sync()
+            t0 = time.perf_counter()
+            kn = cfg.drafter_knobs
+            sim = SimulatedAcceptance(drafter(cfg.k), AcceptanceProfile(tuple(rates[: cfg.k])))
+            eng = StaticEngine(
+                target, sim, attn_bucket=int(kn["attn_bucket"]), sync_every=int(kn["sync_every"])
+            )
+            eng.generate([prompt], new_tokens)  # warm-up: graph capture stays out of the timing
+            walls = []
+            for _ in range(2):
+                res = eng.generate([prompt], new_tokens)[0]
+                walls.append(eng.times.wall)
+            report = force_tokens(target, [("p", prompt, res.tokens)])
+            sync()
+            tok_s = max(len(res.tokens) - 1, 1) / min(walls)
+            forcing = {"mismatches": report.mismatches, "near_ties": report.near_ties}
+            return result(
+                cfg,
+                tok_s,
+                ar_tok_s,
+                res.stats.mean_accepted_len,
+                report.ok,
+                forcing,
+                time.perf_counter() - t0,
+            )
+
+        return measure, ar_tok_s
+
+    dep = DeploymentSpec(
+        target=f"synthetic:{shape}",
+        drafter=f"block ({SIM_LABEL})",
+        device=dev.type,
+        dtype="fp32" if t else "bf16",
+    )
+    base = EngineConfig(
+        deployment=dep,
+        k=max(ks),
+        drafter_knobs={"attn_bucket": buckets[-1], "sync_every": syncs[-1]},
+    )
+    directions = [
+        Direction(
+            "block-length", ("draft", "verify"), (Knob("k", max(ks), choices=ks),), _set("k")
+        ),
+        Direction(
+            "graph-buckets",
+            ("overhead",),
+            (
+                Knob("attn_bucket", buckets[-1], choices=buckets),
+                Knob("sync_every", syncs[-1], choices=syncs),
+            ),
+            _set("graphs"),
+        ),
+    ]
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    fp = Fingerprint(
+        f"synthetic:{shape}",
+        f"block:{dshape}",
+        name,
+        "",
+        "",
+        torch.__version__,
+        dep.dtype,
+        "single",
+    )
+    out = targets(args, "gpu", base, directions, make, profiles, fp, clock="wall (device held)")
+    out["label"] = SIM_LABEL
+    return out
+
+
+# ----------------------------------------------------------------------------- the targets
+def tune(
+    base: EngineConfig,
+    directions: Sequence[Direction],
+    measure: Measure,
+    ar_tok_s: float,
+    store: MemoryStore,
+    fp: Fingerprint,
+    budget_s: float,
+    args: argparse.Namespace,
+    tag: str,
+) -> TuneOutcome:
+    settings = TuneSettings(
+        rounds=50,
+        trials_per_direction=args.trials,
+        directions_per_round=len(directions),
+        budget_seconds=budget_s,
+        min_gain=args.min_gain,
+        seed=args.seed,
+        explorer=args.explorer,
+        patience=args.patience,
+    )
+    loop = TuneLoop(
+        base,
+        directions,
+        MeasureExecutor(measure, ar_tok_s),
+        store,
+        fp,
+        tag,
+        settings,
+        log=lambda m: print(f"[{tag}] {m}", flush=True),
+    )
+    return loop.run()
+
+
+def time_to(outcome: TuneOutcome, speed: float) -> float | None:
+    """Cost seconds until the first passing trial at ``speed`` or faster."""
+    spent = 0.0
+    for t in outcome.trials:
+        spent += t.result.wall_seconds
+        if t.result.forcing_ok and t.result.tok_s >= speed:
+            return spent
+    return None
+
+
+def targets(
+    args: argparse.Namespace,
+    setting: str,
+    base: EngineConfig,
+    directions: Sequence[Direction],
+    make: Callable[[Any], tuple[Measure, float]],
+    workloads: dict[str, Any],
+    fp_a: Fingerprint,
+    clock: str,
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    measure, ar_tok_s = make(workloads["A"])
+    configs = grid(base, directions)
+    random.Random(args.seed).shuffle(configs)
+    print(f"[{setting}] grid of {len(configs)} configs; AR {ar_tok_s:.1f} tok/s", flush=True)
+    table: dict[str, TrialResult] = {}
+    t0 = time.perf_counter()
+    for i, cfg in enumerate(configs):
+        r = measure(cfg)
+        table[config_hash(cfg)] = r
+        print(
+            f"[{setting}] grid {i + 1}/{len(configs)} {describe(cfg)}: {r.tok_s:.1f} tok/s "
+            f"{'ok' if r.forcing_ok else 'NOT LOSSLESS'}",
+            flush=True,
+        )
+    grid_wall = time.perf_counter() - t0
+    grid_cost = sum(r.wall_seconds for r in table.values())
+    lossless = all(r.forcing_ok for r in table.values())
+    grid_best = max((r for r in table.values() if r.forcing_ok), key=lambda r: r.tok_s)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with MemoryStore(Path(tmp) / "a.sqlite") as store:
+            loop = tune(
+                base,
+                directions,
+                measure,
+                ar_tok_s,
+                store,
+                fp_a,
+                args.loop_fraction * grid_wall,
+                args,
+                f"{setting}/loop",
+            )
+        loop_cost = sum(t.result.wall_seconds for t in loop.trials)
+        in_grid = table.get(config_hash(loop.best.config))
+        loop_best_on_grid = in_grid.tok_s if in_grid is not None else float("nan")
+
+        # warm start: deployment B, cold (empty memory) and warm (A's validated result)
+        measure_b, ar_b = make(workloads["B"])
+        fp_b = dataclasses.replace(fp_a, drafter=fp_a.drafter + " @B")
+        budget_b = args.loop_fraction * grid_wall
+        with MemoryStore(Path(tmp) / "cold.sqlite") as cold_store:
+            cold = tune(
+                base,
+                directions,
+                measure_b,
+                ar_b,
+                cold_store,
+                fp_b,
+                budget_b,
+                args,
+                f"{setting}/B-cold",
+            )
+        with MemoryStore(Path(tmp) / "a.sqlite") as warm_store:
+            warm = tune(
+                base,
+                directions,
+                measure_b,
+                ar_b,
+                warm_store,
+                fp_b,
+                budget_b,
+                args,
+                f"{setting}/B-warm",
+            )
+    ref = max(cold.best.tok_s, warm.best.tok_s) * (1 - args.reach)
+    cold_t, warm_t = time_to(cold, ref), time_to(warm, ref)
+    return {
+        "setting": setting,
+        "clock": clock,
+        "proposer": args.explorer
+        if args.explorer != "auto"
+        else ("tpe" if optuna_available() else "local (no optuna)"),
+        "ar_tok_s": ar_tok_s,
+        "grid": {
+            "configs": len(configs),
+            "cost_s": grid_cost,
+            "wall_s": grid_wall,
+            "all_lossless": lossless,
+            "best": describe(grid_best.config),
+            "best_tok_s": grid_best.tok_s,
+            "best_speedup": grid_best.speedup,
+            "table": {describe(r.config): r.tok_s for r in table.values()},
+        },
+        "loop": {
+            "trials": len(loop.trials),
+            "cost_s": loop_cost,
+            "best": describe(loop.best.config),
+            "best_tok_s_loop": loop.best.tok_s,
+            "best_tok_s_on_grid": loop_best_on_grid,
+            "best_fraction_of_grid": loop_best_on_grid / grid_best.tok_s,
+            "cost_fraction_of_grid": loop_cost / grid_cost,
+            "target": ">= 0.95 of the grid best with <= 0.20 of its seconds",
+        },
+        "warm_start": {
+            "deployment_b": "mt-bench prompts"
+            if setting == "cpu"
+            else "lower simulated acceptance",
+            "reach": f"within {args.reach:.0%} of the better best",
+            "cold_s_to_best": cold_t,
+            "warm_s_to_best": warm_t,
+            # each run's time to its own final best (noise can make the bests differ)
+            "cold_s_to_own_best": time_to(cold, cold.best.tok_s),
+            "warm_s_to_own_best": time_to(warm, warm.best.tok_s),
+            "cold_best_tok_s": cold.best.tok_s,
+            "warm_best_tok_s": warm.best.tok_s,
+            "cold_best": describe(cold.best.config),
+            "warm_best": describe(warm.best.config),
+            "warm_reused": warm.reused,
+            "ratio": (warm_t / cold_t) if cold_t and warm_t is not None else None,
+            "target": "warm <= 0.5 x cold",
+        },
+        "total_s": time.perf_counter() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for tune_targets.json")
+    ap.add_argument("--setting", choices=["cpu", "gpu", "both"], default="both")
+    ap.add_argument("--tiny", action="store_true", help="tiny fp32 shapes on the CPU (CI path)")
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per workload (CPU setting)")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument(
+        "--loop-fraction",
+        type=float,
+        default=0.2,
+        help="loop wall budget as a fraction of the grid's (default: %(default)s)",
+    )
+    ap.add_argument("--trials", type=int, default=3, help="candidates per direction and round")
+    ap.add_argument(
+        "--patience",
+        type=int,
+        default=2,
+        help="rounds a direction may go without a winner (default: %(default)s)",
+    )
+    ap.add_argument("--explorer", choices=["auto", "tpe", "local"], default="auto")
+    ap.add_argument("--min-gain", type=float, default=0.01)
+    ap.add_argument("--reach", type=float, default=0.02)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "machine": {"torch": torch.__version__, "cpu": platform.processor() or "cpu"},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
+    if args.setting in ("cpu", "both"):
+        results["cpu"] = cpu_setting(args)
+    if args.setting in ("gpu", "both"):
+        results["gpu"] = gpu_setting(args)
+    (args.out / "tune_targets.json").write_text(json.dumps(results, indent=1) + "\n")
+    print(
+        f"{'setting':<8} {'grid best':>22} {'loop/grid best':>15} {'loop/grid s':>12} "
+        f"{'cold s':>8} {'warm s':>8}  lossless"
+    )
+    for s in ("cpu", "gpu"):
+        if s in results:
+            r = results[s]
+            w = r["warm_start"]
+            print(
+                f"{s:<8} {r['grid']['best']:>22} {r['loop']['best_fraction_of_grid']:>15.3f} "
+                f"{r['loop']['cost_fraction_of_grid']:>12.3f} {w['cold_s_to_best'] or -1:>8.1f} "
+                f"{w['warm_s_to_best'] or -1:>8.1f}  {r['grid']['all_lossless']}"
+                + ("  (simulated acceptance)" if s == "gpu" else "")
+            )
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""The main job's pieces: early-exit drafter, local-search proposer, wall-clock budget, compare at
+the end, and the grid/warm-start bench on tiny shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_model
+from specpilot.cli import main
+from specpilot.drafters import DraftModelDrafter
+from specpilot.drafters.early_exit import early_exit_model
+from specpilot.engine import SpecEngine
+from specpilot.engine.config import DeploymentSpec, EngineConfig
+from specpilot.errors import SpecPilotError
+from specpilot.mechanisms import Knob
+from specpilot.memory import Fingerprint, MemoryStore
+from specpilot.runtime import LoadedModel, build_drafter
+from specpilot.tune.evaluate import TrialResult
+from specpilot.tune.explorers import Explorer, make_explorer
+from specpilot.tune.local_search import LocalSearchExplorer
+from specpilot.tune.loop import TuneLoop, TuneSettings
+from specpilot.tune.space import Direction, directions_for, early_exit_layers
+from test_engine_equivalence import repetitive_prompt
+from test_tune import tiny, tune_argv  # noqa: F401  (tiny is a fixture)
+
+BASE = EngineConfig(deployment=DeploymentSpec(target="t"), k=4, drafter_knobs={"a": 1})
+
+
+# ----------------------------------------------------------------------------- early exit
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("exit_layers,k", [(1, 2), (2, 4), (3, 5)])
+def test_early_exit_drafter_output_equals_ar(seed, exit_layers, k):
+    target = tiny_model(tiny_config(layers=4, vocab=89), seed)
+    rng = random.Random(seed)
+    prompts = [repetitive_prompt(rng, 89, n) for n in (9, 17)]
+    ar = [r.tokens for r in SpecEngine(target).generate(prompts, 40, [])]
+    drafter = DraftModelDrafter(early_exit_model(target, exit_layers), k=k, target_vocab_size=89)
+    spec = SpecEngine(target, drafter).generate(prompts, 40, [])
+    assert [r.tokens for r in spec] == ar
+    assert all(r.stats.mean_accepted_len >= 1.0 for r in spec)
+
+
+def test_early_exit_shares_the_targets_weights_and_rejects_bad_depths():
+    target = tiny_model(tiny_config(layers=3), 0)
+    draft = early_exit_model(target, 2)
+    assert draft.cfg.num_layers == 2 and draft.layers[1] is target.layers[1]
+    assert draft.lm_head is target.lm_head
+    loaded = LoadedModel(spec="tiny", model=target, tokenizer=None)
+    d = build_drafter("draft-model", loaded, 3, None, {"exit_layers": 2})
+    assert isinstance(d, DraftModelDrafter) and d.model.cfg.num_layers == 2
+    for bad in (0, 3):
+        with pytest.raises(SpecPilotError, match="early-exit drafter needs 1 to 2 layers"):
+            build_drafter("draft-model", loaded, 3, None, {"exit_layers": bad})
+
+
+def test_directions_offer_the_early_exit_drafter_to_an_ngram_deployment():
+    base = EngineConfig(deployment=DeploymentSpec(target="t", drafter="ngram"), k=8)
+    names = [d.name for d in directions_for(base, "cpu", "llama", num_layers=30)]
+    assert "early-exit-drafter" in names
+    assert "early-exit-drafter" not in [d.name for d in directions_for(base, "cpu", "llama")]
+    assert early_exit_layers(30) == (8, 12, 16, 20)
+    ee = next(d for d in directions_for(base, "cpu", "llama", 30) if d.name == "early-exit-drafter")
+    cfg = ee.derive(base, {"exit_layers": 12, "k": 3})
+    assert cfg.deployment.drafter == "draft-model" and cfg.deployment.draft_model is None
+    assert cfg.k == 3 and cfg.drafter_knobs == {"exit_layers": 12}
+    ngram = next(d for d in directions_for(base, "cpu", "llama", 30) if d.name == "ngram-sizes")
+    assert ngram.derive(cfg, {"max_n": 4, "min_n": 2}) == cfg  # n-gram sizes mean nothing here
+
+
+# ----------------------------------------------------------------------------- local search
+def _set(base: EngineConfig, p: dict) -> EngineConfig:
+    k, a = int(p.get("k", base.k)), int(p.get("a", base.drafter_knobs["a"]))
+    return dataclasses.replace(base, k=k, drafter_knobs={"a": a})
+
+
+DIRECTION = Direction(
+    "d", ("draft",), (Knob("k", 4, choices=(1, 2, 4, 6, 8)), Knob("a", 1, low=0, high=3)), _set
+)
+
+
+def test_local_search_never_repeats_skips_the_base_and_climbs():
+    ex = LocalSearchExplorer(DIRECTION, seed=0)
+    seen: set[tuple[int, int]] = set()
+    base = BASE
+    score = lambda c: -abs(c.k - 8) - abs(c.drafter_knobs["a"] - 3)  # noqa: E731
+    for _ in range(12):
+        props = ex.propose(base, 2)
+        for p in props:
+            key = (p.config.k, p.config.drafter_knobs["a"])
+            assert key not in seen and p.config != base
+            seen.add(key)
+            ex.tell(p.trial_number, score(p.config))
+            if score(p.config) > score(base):
+                base = p.config
+    assert (base.k, base.drafter_knobs["a"]) == (8, 3)  # the optimum of the 5 x 4 space
+    assert len(seen) <= 20
+
+
+def test_local_search_exhausts_a_space_then_proposes_nothing():
+    d = Direction("d", ("draft",), (Knob("k", 4, choices=(2, 4)),), _set_k)
+    ex = LocalSearchExplorer(d, seed=0)
+    first = ex.propose(BASE, 5)
+    assert [p.config.k for p in first] == [2]  # k=4 is the base itself
+    assert ex.propose(BASE, 5) == []
+
+
+def _set_k(base: EngineConfig, p: dict) -> EngineConfig:
+    return dataclasses.replace(base, k=int(p["k"]))
+
+
+def test_make_explorer_falls_back_without_optuna(monkeypatch):
+    assert isinstance(make_explorer(DIRECTION, 0, "local"), LocalSearchExplorer)
+    monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna now raises ImportError
+    assert isinstance(make_explorer(DIRECTION, 0, "auto"), LocalSearchExplorer)
+    with pytest.raises(ValueError, match="Unknown explorer kind"):
+        make_explorer(DIRECTION, 0, "grid")
+
+
+def test_make_explorer_prefers_tpe_when_installed():
+    pytest.importorskip("optuna")
+    assert isinstance(make_explorer(DIRECTION, 0, "auto"), Explorer)
+
+
+# ----------------------------------------------------------------------------- budget
+class SlowExecutor:
+    """Each candidate takes ``seconds`` and scores by a fixed function of its knobs."""
+
+    width = 1
+    ar_tok_s = 10.0
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.calls = seconds, 0
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        out = []
+        for c in configs:
+            time.sleep(self.seconds)
+            self.calls += 1
+            tok_s = 10.0 + c.k + c.drafter_knobs["a"]
+            out.append(TrialResult(c, tok_s, tok_s / 10, 2.0, [], True, {}, 0.0, self.seconds))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def _fingerprint(tag: str) -> Fingerprint:
+    return Fingerprint("t", tag, "cpu", "", "", torch.__version__, "fp32", "single")
+
+
+@pytest.mark.parametrize("explorer", ["local", "tpe"])
+def test_the_loop_stops_inside_its_wall_clock_budget(tmp_path, explorer):
+    if explorer == "tpe":
+        pytest.importorskip("optuna")
+    ex = SlowExecutor(0.05)
+    settings = TuneSettings(
+        rounds=100, trials_per_direction=3, budget_seconds=0.5, explorer=explorer, min_gain=-1.0
+    )
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        loop = TuneLoop(BASE, [DIRECTION], ex, store, _fingerprint("a"), "a", settings, log=print)
+        t0 = time.perf_counter()
+        out = loop.run()
+        wall = time.perf_counter() - t0
+        assert wall <= 0.5 + 0.05 + 0.1  # at most one slowest trial late (plus bookkeeping)
+        assert out.rounds_run >= 1 and ex.calls >= 3
+        assert len(store.trials(run=loop.run_id)) == ex.calls  # every finished trial is kept
+        assert all(t.elapsed <= wall for t in out.trials)
+
+
+def test_a_round_without_a_winner_moves_on_to_untried_directions(tmp_path):
+    flat = Direction("flat", ("lm_head",), (Knob("a", 1, low=0, high=0),), _set)
+    steep = Direction("steep", ("draft",), (Knob("k", 4, choices=(4, 8)),), _set_k)
+    settings = TuneSettings(rounds=5, directions_per_round=1, explorer="local")
+    logs: list[str] = []
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        # "flat" ranks first (lm_head) and cannot win; "steep" must still get its turn.
+        loop = TuneLoop(
+            BASE,
+            [flat, steep],
+            SlowExecutor(0.0),
+            store,
+            _fingerprint("b"),
+            "b",
+            settings,
+            gap_order=("lm_head", "draft"),
+            log=logs.append,
+        )
+        out = loop.run()
+    assert out.best.config.k == 8
+    assert any("next: steep" in m for m in logs)
+
+
+# ----------------------------------------------------------------------------- the command
+def test_tune_ends_with_a_compare_on_held_out_prompts(tiny, tmp_path, capsys):  # noqa: F811
+    model, prompts = tiny
+    out = tmp_path / "out"
+    argv = tune_argv(model, prompts, out, tmp_path / "m.sqlite", "--rounds", "1")
+    argv += ["--limit", "2", "--compare-limit", "1", "--rank-gaps", "static"]
+    assert main(argv) == 0
+    log = capsys.readouterr().out
+    assert "search budget" in log and "kept for the final compare" in log
+    assert "compare on 1 held-out prompts" in log and "tuned over stock speculative" in log
+    assert json.loads((out / "stock.json").read_text())["k"] == 2
+    lines = (out / "compare.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # ar, stock, tuned on the one held-out prompt
+
+
+def test_tune_budget_too_small_still_measures_stock_and_writes_outputs(tiny, tmp_path, capsys):  # noqa: F811
+    model, prompts = tiny
+    out = tmp_path / "out"
+    argv = tune_argv(model, prompts, out, tmp_path / "m.sqlite", "--budget", "0.001")
+    argv += ["--rank-gaps", "static", "--compare-limit", "0"]
+    assert main(argv) == 0
+    log = capsys.readouterr().out
+    assert "time budget spent" in log, log
+    assert (out / "tuned.json").exists() and (out / "report.md").exists()
+
+
+# ----------------------------------------------------------------------------- the bench
+def test_tune_targets_bench_tiny_end_to_end(tmp_path):
+    path = Path(__file__).resolve().parents[1] / "bench" / "tune_targets.py"
+    spec = importlib.util.spec_from_file_location("tune_targets", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tune_targets"] = mod
+    spec.loader.exec_module(mod)
+    res = mod.main(["--tiny", "--explorer", "local", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "tune_targets.json").read_text())
+    for s in ("cpu", "gpu"):
+        r = data[s]
+        assert r["grid"]["all_lossless"] and r["grid"]["configs"] == len(r["grid"]["table"])
+        assert r["loop"]["trials"] >= 1 and 0 < r["loop"]["cost_fraction_of_grid"] < 1.5
+        assert r["proposer"] == "local"
+        assert r["warm_start"]["warm_reused"]  # the warm run re-measured deployment A's best
+    assert data["gpu"]["label"] == "simulated acceptance"
+    assert res["cpu"]["grid"]["configs"] == 3 * 5  # k x the 5 distinct (min_n, max_n) pairs
+
+
+@pytest.mark.slow
+def test_smollm2_early_exit_drafter_equals_ar():
+    from specpilot.bench.prompts import load_prompt_set
+    from specpilot.runtime import load_model
+
+    smol = load_model("smollm2-135m", torch.float32, "cpu", 2048)
+    tok = smol.tokenizer
+    assert tok is not None
+    prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set("copy-heavy", 2)]
+    eos = list(tok.eos_token_ids)
+    ar = [r.tokens for r in SpecEngine(smol.model).generate(prompts, 32, eos)]
+    for layers in early_exit_layers(smol.model.cfg.num_layers)[1:2]:  # 12 of 30
+        drafter = build_drafter("draft-model", smol, 4, None, {"exit_layers": layers})
+        spec = SpecEngine(smol.model, drafter).generate(prompts, 32, eos)
+        assert [r.tokens for r in spec] == ar
+        assert all(r.stats.mean_accepted_len > 1.0 for r in spec)
