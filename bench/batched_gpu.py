@@ -42,7 +42,7 @@ from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, Simulated
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.widths import FixedWidths, RowBlockLength, TieredBudget, WidthPolicy
 from specpilot.forcing import force_tokens
-from specpilot.synthetic import build_block_drafter, build_target
+from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no concurrency after")
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--peaked",
+        action="store_true",
+        help="peaked random target (synthetic.make_peaked): clear top-1 margins, no bf16 near-ties",
+    )
     args = ap.parse_args(argv)
     t = args.tiny
     args.concurrency = args.concurrency or ("2,3" if t else "16,20,24")
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     shape, dshape = ("tiny-llama", "tiny-block") if args.tiny else ("llama3-8b", "dflash-b16")
     target = build_target(shape, dev, dtype, seed=args.seed, max_positions=1024)
+    if args.peaked:
+        make_peaked(target)
     block = build_block_drafter(target, dshape)
     taus = [float(x) for x in args.taus.split(",")]
     bsize = block.k + 1
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     label = (
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL}, per-row τ cycling "
         f"{{{', '.join(f'{x:g}' for x in taus)}}} at block {bsize}"
+        + (" · peaked random target" if args.peaked else "")
     )
     result: dict[str, Any] = {
         "label": label,

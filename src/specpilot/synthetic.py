@@ -146,6 +146,25 @@ def build_target(
     return model
 
 
+def make_peaked(model: Transformer, embed_scale: float = 100.0) -> Transformer:
+    """Give a random untied target a trained model's clear top-1 margins (same shapes and cost).
+
+    Random weights give flat logits: in bf16 about one token in nine is a near-tie (docs/
+    BENCHMARKS.md, issue 8), so a simulated-acceptance oracle computed at one batch shape
+    diverges from a verify at another and the profile's τ is not reached. Here the embedding is
+    scaled up so that it dominates the residual stream, and LM-head row ``t`` is embedding row
+    ``t - 1``: the target then predicts "previous token + 1" with a margin far above bf16
+    rounding. Every matrix keeps its shape, so every timing is unchanged; only the values (and so
+    the generated text, which is meaningless either way) differ. Label runs that use it.
+    """
+    if model.lm_head is model.embed:
+        raise ValueError("make_peaked needs an untied LM head (tie_word_embeddings=False).")
+    with torch.no_grad():
+        model.embed.mul_(embed_scale)
+        model.lm_head.copy_(torch.roll(model.embed, shifts=1, dims=0))
+    return model
+
+
 def build_draft_model(
     shape: str,
     device: torch.device | str,
