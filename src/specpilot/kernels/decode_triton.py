@@ -77,7 +77,7 @@ def _rope_qkv_kernel(
         b = row // T
         t = row % T
         kv_b = b
-        if HAS_SLOTS:
+        if HAS_SLOTS:  # noqa: SIM108 (a constexpr branch, kept as a statement for Triton)
             slot = tl.load(place_ptr + row)
         else:
             slot = pos

@@ -29,8 +29,8 @@ from torch import Tensor
 from specpilot.kernels import reference
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.static_forward import StaticForward, attention_mask
-from specpilot.models.tree_mask import tree_attention_mask
 from specpilot.models.transformer import DecoderLayer
+from specpilot.models.tree_mask import tree_attention_mask
 
 
 def bucket_rows(m: int, bucket: int) -> int:
