@@ -259,6 +259,26 @@ def test_mechanisms_registered_and_applied() -> None:
         fixed.apply(build, fixed.resolve_knobs({}))
 
 
+def test_tree_static_gpu_bench_tiny(tmp_path: Path) -> None:
+    """The H200 script end to end on tiny CPU shapes: every variant equals AR, labelled."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tree_static_gpu.py"
+    spec = importlib.util.spec_from_file_location("tree_static_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.main(["--out", str(tmp_path), "--tiny", "--nodes", "4,12", "--new-tokens", "16"])
+    saved = json.loads((tmp_path / "tree_static_gpu.json").read_text())
+    assert "simulated acceptance" in saved["label"] and "p_sibling" in saved["label"]
+    assert saved["runs"] == result["runs"] and len(saved["verify_cost"]) == 3
+    parts = [(r["part"], r["variant"]) for r in saved["runs"]]
+    assert len(parts) == 10 and ("c", "ragged chain6/tree14d6") in parts
+    for r in saved["runs"]:
+        assert r["variant"] == "ar" or (r["mismatches"] == 0 and r["rows_equal_ar"] == r["rows"])
+
+
 # ---------------------------------------------------------------------- Triton, interpreted
 SLOTS_KERNEL_CHECK = """
 import torch
