@@ -159,6 +159,35 @@ def test_ragged_trees_equal_ar() -> None:
     assert to_low > 4 * max(to_high, 1)
 
 
+def test_random_ragged_trees_fuzz() -> None:
+    """A policy drawing a random tree per row every cycle (topology buffers rewritten each time)
+    never changes a token."""
+    import random
+
+    class RandomTrees:
+        name = "random"
+        shapes = (StaticTree.chain(3), *TREES.values(), StaticTree.chain(1))
+
+        def __init__(self) -> None:
+            self.rng = random.Random(0)
+
+        def reset(self, batch: int, k: int) -> None:
+            return None
+
+        def trees(self, active: Any) -> list[StaticTree]:
+            return [self.rng.choice(self.shapes) for _ in active]
+
+        def observe(self, row: int, drafted: int, accepted: int) -> None:
+            return None
+
+    model = tiny("qwen3", seed=8)
+    sim = _sim(model, p_sibling=0.7, seed=4)
+    eng = StaticEngine(model, sim, attn_bucket=16, tree_policy=RandomTrees(), packed_bucket=8)
+    got = eng.generate(BATCH_PROMPTS, 50)
+    assert toks(got) == toks(SpecEngine(model).generate(BATCH_PROMPTS, 50))
+    assert sim.divergences == 0
+
+
 def test_real_block_drafter_tree_and_forcing() -> None:
     """A real (random) block drafter's top-k tree, no simulation: AR tokens, forcing clean."""
     model = tiny("qwen3", seed=4)
