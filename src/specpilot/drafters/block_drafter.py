@@ -127,6 +127,22 @@ class BlockDrafter:
         return engine.bucket(max_committed + max(self.block, self.k + 1))
 
     def draft(self, engine: StaticEngine, attn_len: int) -> None:
+        assert engine.state is not None
+        logits = self._block_logits(engine, attn_len)  # [B, k, V]
+        engine.state.drafts[:, : self.k].copy_(logits.argmax(dim=-1))
+        engine.state.draft_lens.fill_(self.k)
+
+    def draft_candidates(self, engine: StaticEngine, attn_len: int, out: Tensor) -> None:
+        """The R best tokens of each block position (``out [B, k, R]``), for static trees; the
+        first choices also go to ``drafts`` as a chain."""
+        assert engine.state is not None
+        logits = self._block_logits(engine, attn_len)  # [B, k, V]
+        out.copy_(logits.topk(out.shape[2], dim=-1).indices)
+        engine.state.drafts[:, : self.k].copy_(out[:, :, 0])
+        engine.state.draft_lens.fill_(self.k)
+
+    def _block_logits(self, engine: StaticEngine, attn_len: int) -> Tensor:
+        """One drafter forward over ``[pending, mask × k]``; logits of rows 1.. ``[B, k, V]``."""
         st, cache, hidden = engine.state, self.cache, engine.verify_hidden
         assert st is not None and cache is not None and hidden is not None
         self._write_context(hidden, st.prev_committed - 1)
@@ -140,8 +156,7 @@ class BlockDrafter:
             self._layers(), x, cache, st.committed_len - 1, attn_len, causal=False
         )  # [B*block, H]
         rows = out.view(b, self.block, -1)[:, 1:].reshape(b * self.k, -1)  # [B*k, H]
-        st.drafts[:, : self.k].copy_(self.fwd.logits(rows).argmax(dim=-1).view(b, self.k))
-        st.draft_lens.fill_(self.k)
+        return self.fwd.logits(rows).view(b, self.k, -1)
 
     def after_cycle(
         self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]

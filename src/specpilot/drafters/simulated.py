@@ -23,6 +23,15 @@ Heterogeneous batches: ``row_profiles`` gives row b the profile ``row_profiles[b
 own schedule, seeded per row), so the rows of one batch accept at different rates, as requests of
 a served batch do.
 
+Trees (``draft_candidates``, for the static tree verify): the inner drafter's real top-R compute
+runs, then the candidates of each block position d are replaced. The first branch (rank 0) holds
+the target's true token wherever the chain schedule accepts (d before the cycle's miss), misses at
+the scheduled miss, and past it holds the true token with the profile's chain probability
+``rates[d]``, drawn independently; on a first-branch miss the true token is placed on the second
+branch (rank 1) with probability ``p_sibling``. Every other candidate is a wrong token. So a
+chain verify sees exactly the chain profile, and siblings can only add accepted tokens. Labels
+name ``p_sibling`` beside the profile.
+
 Every figure produced with this wrapper must be labelled ``SIM_LABEL``.
 """
 
@@ -135,7 +144,10 @@ class SimulatedAcceptance:
         profile: AcceptanceProfile,
         seed: int = 0,
         row_profiles: Sequence[AcceptanceProfile] = (),
+        p_sibling: float = 0.0,
     ) -> None:
+        if not 0.0 <= p_sibling <= 1.0:
+            raise ValueError(f"p_sibling must lie in [0, 1], got {p_sibling}.")
         for p in (profile, *row_profiles):
             if p.k != inner.k:
                 raise ValueError(
@@ -146,6 +158,7 @@ class SimulatedAcceptance:
         self.profile = profile
         self.row_profiles = tuple(row_profiles)
         self.seed = seed
+        self.p_sibling = p_sibling
         self.name = f"{inner.name} ({SIM_LABEL})"
         self.k = inner.k
         self.hidden_layers = inner.hidden_layers
@@ -158,6 +171,8 @@ class SimulatedAcceptance:
         self._schedule: Tensor | None = None  # [B, S] accepted length per row and cycle
         self._host: list[list[int]] = []
         self._vocab = 1
+        self._first_hit: Tensor | None = None  # [B, S, k] bool: rank 0 right past the miss
+        self._sibling_hit: Tensor | None = None  # [B, S, k] bool: rank 1 right on a rank-0 miss
 
     def bind(self, engine: StaticEngine) -> None:
         self.inner.bind(engine)
@@ -172,8 +187,18 @@ class SimulatedAcceptance:
             ]
         else:  # one schedule shared by every row
             sched = [self.profile.schedule(st.capacity, self.seed)] * st.batch_size
-        self._schedule = torch.tensor(sched, dtype=torch.int64, device=st.tokens.device)
+        dev = st.tokens.device
+        self._schedule = torch.tensor(sched, dtype=torch.int64, device=dev)
         self._vocab = engine.target.cfg.vocab_size
+        gen = torch.Generator().manual_seed(self.seed + 7)
+        profiles = self.row_profiles or (self.profile,)
+        rates = torch.tensor(
+            [list(profiles[b % len(profiles)].rates) for b in range(st.batch_size)],
+            dtype=torch.float32,
+        )  # [B, k]
+        shape = (st.batch_size, st.capacity, self.k)
+        self._first_hit = (torch.rand(shape, generator=gen) < rates[:, None, :]).to(dev)
+        self._sibling_hit = (torch.rand(shape, generator=gen) < self.p_sibling).to(dev)
 
     def prefill(
         self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
@@ -215,6 +240,28 @@ class SimulatedAcceptance:
         wrong = (window + 1) % self._vocab
         st.drafts[:, :k].copy_(torch.where(pos == miss_at, wrong, window))
         st.draft_lens.fill_(k)
+
+    def draft_candidates(self, engine: StaticEngine, attn_len: int, out: Tensor) -> None:
+        """Tree candidates ``out [B, k, R]`` under the simulated profile (module docstring)."""
+        self.inner.draft_candidates(engine, attn_len, out)  # type: ignore[attr-defined]
+        st, oracle, sched = engine.state, self._oracle, self._schedule
+        first, sib = self._first_hit, self._sibling_hit
+        assert st is not None and oracle is not None and sched is not None
+        assert first is not None and sib is not None
+        dev, k, r = oracle.device, self.k, out.shape[2]
+        cycle = st.cycle.clamp(max=sched.shape[1] - 1)  # [1]
+        miss_at = sched.index_select(1, cycle)  # [B, 1]
+        pos = torch.arange(k, device=dev)[None, :]  # [1, k]
+        idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
+        window = oracle.gather(1, idx)  # [B, k] the target's own continuation
+        later = first.index_select(1, cycle).squeeze(1)  # [B, k]
+        hit0 = (pos < miss_at) | ((pos > miss_at) & later)  # [B, k]
+        hit1 = ~hit0 & sib.index_select(1, cycle).squeeze(1)  # [B, k]
+        ranks = torch.arange(r, device=dev)[None, None, :]  # [1, 1, R]
+        wrong = (window[:, :, None] + 1 + ranks) % self._vocab  # [B, k, R] distinct, never right
+        right = ((ranks == 0) & hit0[:, :, None]) | ((ranks == 1) & hit1[:, :, None])
+        out.copy_(torch.where(right, window[:, :, None], wrong))
+        st.drafts[:, :k].copy_(out[:, :, 0])
 
     def after_cycle(
         self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]

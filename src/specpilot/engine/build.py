@@ -15,6 +15,7 @@ from specpilot.engine.batching import BatchScheduler, BlockPolicy
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.loop import SpecEngine, VerifyFn
 from specpilot.engine.strategy import VerifyStrategy
+from specpilot.engine.tree_policy import TreePolicy
 from specpilot.engine.verify import greedy_verify
 from specpilot.engine.widths import WidthPolicy
 from specpilot.errors import SpecPilotError
@@ -41,6 +42,8 @@ class EngineBuild:
     """Per-row verify widths of the static batched engine (plug point ``drafter_schedule``)."""
     packed_bucket: int = 0
     """Packed ragged verify of the static engine: rows rounded up to this (0 = padded verify)."""
+    tree_policy: TreePolicy | None = None
+    """Static tree verify of the static engine: which tree each row verifies (None = chains)."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
 
@@ -85,6 +88,7 @@ class EngineBuild:
             drafter,
             width_policy=self.width_policy,
             packed_bucket=self.packed_bucket,
+            tree_policy=self.tree_policy,
             **options,
         )
 

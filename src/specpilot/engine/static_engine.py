@@ -18,6 +18,11 @@ Batched ragged mode (``packed_bucket > 0`` or a ``width_policy``): each row veri
 ``w_b <= k + 1`` chosen on the host by the policy (``engine/widths.py``) from the accepted lengths
 it already read back; the verify runs packed (``models/packed_forward.py``: projections, MLP and LM
 head on ``sum(w_b)`` rows rounded up to ``packed_bucket``), one graph per (rows, attention bucket).
+
+Tree mode (a ``tree_policy``): each row verifies a static draft tree chosen on the host per cycle
+(``engine/tree_policy.py``; rows may differ), drafted from the drafter's per-position top-k,
+verified packed under a tree mask, accepted and K/V-compacted on the device
+(``engine/static_tree.py``). The drafter must implement ``draft_candidates``.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from specpilot.drafters.static_base import StaticDrafter
 from specpilot.engine.cuda_graphs import GraphRunner
 from specpilot.engine.device_state import DecodeState, accept_and_commit
 from specpilot.engine.loop import GenerationResult
+from specpilot.engine.static_tree import TreeBuffers, tree_accept_and_commit
+from specpilot.engine.tree_policy import TreePolicy
 from specpilot.engine.widths import FixedWidths, WidthPolicy
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
@@ -87,6 +94,7 @@ class StaticEngine:
         fuse_residual: bool | None = None,
         width_policy: WidthPolicy | None = None,
         packed_bucket: int = 0,
+        tree_policy: TreePolicy | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -97,7 +105,9 @@ class StaticEngine:
         self.attn_bucket = attn_bucket
         self.sync_every = sync_every
         self.k = 0 if drafter is None else drafter.k
-        self.k_max = max(self.k, max_verify_width - 1)
+        self.tree_policy = tree_policy
+        self.tree_width = self._check_trees(tree_policy, drafter, width_policy)
+        self.k_max = max(self.k, max_verify_width - 1, self.tree_width - 1)
         self.profile = profile and cuda
         self.times = CycleTimes()
         self.cache: KVCache | None = None
@@ -109,14 +119,38 @@ class StaticEngine:
             raise ValueError("A width policy needs a drafter; plain AR verifies one token per row.")
         if packed_bucket < 0:
             raise ValueError(f"packed_bucket must be at least 0, got {packed_bucket}.")
-        if width_policy is not None or packed_bucket > 0:
-            self.width_policy: WidthPolicy | None = width_policy or FixedWidths()
+        self.width_policy: WidthPolicy | None = None
+        if tree_policy is not None:
+            self.packed_bucket = packed_bucket or 16
+        elif width_policy is not None or packed_bucket > 0:
+            self.width_policy = width_policy or FixedWidths()
             self.packed_bucket = packed_bucket or 16
         else:
-            self.width_policy, self.packed_bucket = None, 0
+            self.packed_bucket = 0
         self.packed = PackedVerify(self.fwd)
         self.layout: PackedLayout | None = None
+        self.trees: TreeBuffers | None = None
+        self._tree_widths: list[int] = []
         self.rows_verified = 0  # packed rows (bucket padding included) summed over cycles
+
+    @staticmethod
+    def _check_trees(
+        policy: TreePolicy | None, drafter: StaticDrafter | None, width_policy: WidthPolicy | None
+    ) -> int:
+        """The static tree width ``1 + max nodes`` (0 without trees), after checking the setup."""
+        if policy is None:
+            return 0
+        if drafter is None or width_policy is not None:
+            raise ValueError("Tree verify needs a drafter and no width policy.")
+        inner = getattr(drafter, "inner", drafter)  # a simulated-acceptance wrapper's drafter
+        if not hasattr(inner, "draft_candidates"):
+            raise ValueError(
+                f"Tree verify needs a drafter with per-position candidates; '{drafter.name}' has "
+                "none (use the block drafter, or disable the tree)."
+            )
+        if any(t.depth > drafter.k for t in policy.shapes):
+            raise ValueError(f"A tree deeper than the drafter's {drafter.k} positions was given.")
+        return 1 + max(t.nodes for t in policy.shapes)
 
     # ------------------------------------------------------------------ setup
     def bucket(self, need: int) -> int:
@@ -152,6 +186,16 @@ class StaticEngine:
                 if self.width_policy is not None
                 else None
             )
+            self.trees = None
+            if self.tree_policy is not None:
+                ranks = 1 + max(t.max_rank for t in self.tree_policy.shapes)
+                hid = None
+                if self.verify_hidden is not None:
+                    hid = (len(layers), self.target.cfg.hidden_size, self.target.dtype)
+                self.trees = TreeBuffers.allocate(
+                    batch, self.tree_width, self.k, ranks, hid, self.device
+                )
+                self.layout = PackedLayout.allocate(batch, self.tree_width, self.device)
             if self.drafter is not None:
                 self.drafter.bind(self)
 
@@ -212,6 +256,58 @@ class StaticEngine:
         self.rows_verified += rows
         fn = self._packed_verify_fn(rows, attn_len)
         self.runner.run(("packed_verify", rows, attn_len), fn, self.state)
+
+    def _tree_verify_fn(self, rows: int, attn_len: int) -> Callable[[], None]:
+        st, cache, layout, trees = self.state, self.cache, self.layout, self.trees
+        assert st is not None and cache is not None and layout is not None and trees is not None
+        layers = () if self.drafter is None else self.drafter.hidden_layers
+        layers = layers if trees.hidden is not None else ()
+
+        def step() -> None:
+            self.packed(
+                trees.tokens,
+                layout,
+                rows,
+                cache,
+                st.committed_len - 1,
+                attn_len,
+                trees.argmax,
+                layers,
+                trees.hidden,
+                depths=trees.topo[1],
+                visible=trees.visible,
+            )
+
+        return step
+
+    def _run_tree_verify(self, widths: list[int], attn_len: int) -> None:
+        assert self.state is not None and self.layout is not None
+        full = len(widths) * self.tree_width
+        rows = min(bucket_rows(sum(widths), self.packed_bucket), full)  # [M] real + padding
+        self.layout.fill(widths, rows)
+        self.rows_verified += rows
+        fn = self._tree_verify_fn(rows, attn_len)
+        self.runner.run(("tree_verify", rows, attn_len), fn, self.state)
+
+    def _run_tree_accept(self) -> None:
+        st, trees, cache, k = self.state, self.trees, self.cache, self.k
+        assert st is not None and trees is not None and cache is not None
+
+        def step() -> None:
+            tree_accept_and_commit(st, trees, cache, k, self.verify_hidden)
+
+        self.runner.run(("tree_accept",), step, st)
+
+    def _run_tree_draft(self) -> None:
+        assert self.drafter is not None and self.state is not None and self.trees is not None
+        drafter, st, trees = self.drafter, self.state, self.trees
+        attn_len = drafter.attn_len(self, max(self._dev_len))
+
+        def step() -> None:
+            drafter.draft_candidates(self, attn_len, trees.candidates)  # type: ignore[attr-defined]
+            trees.gather_tokens(st.pending)
+
+        self.runner.run(("tree_draft", attn_len), step, st)
 
     def _run_accept(self, k: int) -> None:
         st = self.state
@@ -280,6 +376,8 @@ class StaticEngine:
         self.rows_verified = 0
         if self.width_policy is not None:
             self.width_policy.reset(b, self.k, self.packed_bucket)
+        if self.tree_policy is not None:
+            self.tree_policy.reset(b, self.k)
         if self.drafter is not None:
             self.drafter.prefill(self, padded_d, lens_d, hidden)
         return first.tolist()
@@ -357,22 +455,40 @@ class StaticEngine:
         st, k = self.state, self.k
         assert st is not None and self.drafter is not None
         ev = tuple(torch.cuda.Event(enable_timing=True) for _ in range(4)) if self.profile else ()
-        policy = self.width_policy
-        widths = policy.widths(active) if policy is not None else [k + 1] * len(active)
-        if any(a and not 1 <= w <= k + 1 for a, w in zip(active, widths, strict=True)):
+        policy, tree_policy = self.width_policy, self.tree_policy
+        trees = tree_policy.trees(active) if tree_policy is not None else []
+        if trees:
+            assert self.trees is not None
+            self.trees.fill(trees)
+            widths = [1 + t.nodes if a else 1 for t, a in zip(trees, active, strict=True)]
+            drafted = [t.depth for t in trees]
+        else:
+            widths = policy.widths(active) if policy is not None else [k + 1] * len(active)
+            drafted = [w - 1 for w in widths]
+        if not trees and any(
+            a and not 1 <= w <= k + 1 for a, w in zip(active, widths, strict=True)
+        ):
             raise ValueError(f"A width policy must give every active row 1..{k + 1} tokens.")
         if ev:
             ev[0].record()
-        self._run_draft()
+        if trees:
+            self._run_tree_draft()
+        else:
+            self._run_draft()
         if ev:
             ev[1].record()
-        if policy is not None:
+        if trees:
+            self._run_tree_verify(widths, self.bucket(max(self._dev_len) + self.tree_width))
+        elif policy is not None:
             self._run_packed_verify(widths, self.bucket(max(self._dev_len) + k))
         else:
             self._run_verify(k, self.bucket(max(self._dev_len) + k))
         if ev:
             ev[2].record()
-        self._run_accept(k)
+        if trees:
+            self._run_tree_accept()
+        else:
+            self._run_accept(k)
         if ev:
             ev[3].record()
             events.append(ev)
@@ -387,9 +503,11 @@ class StaticEngine:
             committed.append((row, self._dev_len[row], toks))
             self._dev_len[row] += n + 1
             self._append(row, toks, results, active, eos, max_new)
-            results[row].stats.record(widths[row] - 1, n, n + 1)
-            if policy is not None:
-                policy.observe(row, widths[row] - 1, n)
+            results[row].stats.record(drafted[row], n, n + 1)
+            if tree_policy is not None:
+                tree_policy.observe(row, drafted[row], n)
+            elif policy is not None:
+                policy.observe(row, drafted[row], n)
         self.drafter.after_cycle(self, committed)
 
     def _append(
@@ -463,6 +581,26 @@ class StaticEngine:
 
         def once() -> None:
             self.runner.run(("time", k, attn_len), fn, self.state)  # type: ignore[arg-type]
+
+        return time_call(once, self.device, iters, warmup=1)
+
+    @torch.inference_mode()
+    def time_tree_verify(self, iters: int = 20) -> float:
+        """Seconds per tree verify of the trees the policy gives every row now, at the current
+        committed state, by replaying its graph (median of 3 runs of ``iters``). Writes only
+        scratch: K/V past the committed length, the tree argmax."""
+        assert self.state is not None and self.trees is not None and self.tree_policy is not None
+        trees = self.tree_policy.trees([True] * self.state.batch_size)
+        self.trees.fill(trees)
+        widths = [1 + t.nodes for t in trees]
+        rows = min(bucket_rows(sum(widths), self.packed_bucket), len(widths) * self.tree_width)
+        assert self.layout is not None
+        self.layout.fill(widths, rows)
+        attn_len = self.bucket(max(self._dev_len) + self.tree_width)
+        fn = self._tree_verify_fn(rows, attn_len)
+
+        def once() -> None:
+            self.runner.run(("time_tree", rows, attn_len), fn, self.state)  # type: ignore[arg-type]
 
         return time_call(once, self.device, iters, warmup=1)
 

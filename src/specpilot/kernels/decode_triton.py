@@ -41,7 +41,7 @@ def _rope_qkv_kernel(
     qkv_ptr,  # [M, row_stride]: q heads at col 0, then k heads at q_cols, then v heads
     row_stride,
     q_cols,
-    pos_ptr,  # [M] int64: position (= cache slot) of each row
+    pos_ptr,  # [M] int64: RoPE position of each row (also its cache slot unless HAS_SLOTS)
     cos_ptr,  # [P, D] float32
     sin_ptr,
     qn_ptr,  # [D] q norm weight (read only when HAS_NORM)
@@ -57,10 +57,11 @@ def _rope_qkv_kernel(
     H_KV,
     G,
     place_ptr,  # PACKED: [4, M] int64: q batch row, q offset t, cache row, cache slot
-    place_stride,
+    place_stride,  # HAS_SLOTS (not PACKED): place_ptr is [M] int64 cache slots
     D: tl.constexpr,
     HAS_NORM: tl.constexpr,
     PACKED: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -76,7 +77,10 @@ def _rope_qkv_kernel(
         b = row // T
         t = row % T
         kv_b = b
-        slot = pos
+        if HAS_SLOTS:  # noqa: SIM108 (a constexpr branch, kept as a statement for Triton)
+            slot = tl.load(place_ptr + row)
+        else:
+            slot = pos
     is_q = head < H
     kv_head = head - H
     col = tl.where(is_q, head * D, q_cols + kv_head * D)
@@ -122,7 +126,7 @@ def rope_qkv_write(
     kv_heads: int,
     head_dim: int,
     batch: int,
-    positions: Tensor,  # [M] int64, also the cache slots
+    positions: Tensor,  # [M] int64 RoPE positions (the cache slots unless ``slots``)
     cos_table: Tensor,  # [P, D] float32
     sin_table: Tensor,
     q_norm: Tensor | None,
@@ -130,10 +134,12 @@ def rope_qkv_write(
     eps: float,
     k_cache: Tensor,  # [B, H_kv, S, D]
     v_cache: Tensor,
+    slots: Tensor | None = None,  # [M] int64 cache slots; None: the positions
 ) -> Tensor:
     """Rotate q and k (after q/k RMSNorm when given), write k and v into the cache.
 
-    Returns q as ``[B, H_kv, G*T, D]`` (row ``g*T + t``): the GQA group folded into the query
+    Row i is rotated at ``positions[i]`` and its K/V written at slot ``slots[i]`` (tree verify:
+    slot = block offset, position = depth) or, without ``slots``, at ``positions[i]``. Returns q as ``[B, H_kv, G*T, D]`` (row ``g*T + t``): the GQA group folded into the query
     rows, so attention runs as plain multi-head attention over the H_kv cached heads.
     """
     m = qkv.shape[0]
@@ -163,11 +169,12 @@ def rope_qkv_write(
         q_heads,
         kv_heads,
         g,
-        positions,
+        positions if slots is None else slots,
         0,
         D=head_dim,
         HAS_NORM=has_norm,
         PACKED=False,
+        HAS_SLOTS=slots is not None,
         num_warps=1,
     )
     return q_out
@@ -230,6 +237,7 @@ def rope_qkv_write_packed(
         D=head_dim,
         HAS_NORM=has_norm,
         PACKED=True,
+        HAS_SLOTS=False,
         num_warps=1,
     )
     return q_out

@@ -11,6 +11,7 @@ from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
 from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
+from specpilot.mechanisms.static_trees import RAGGED_TREES, STATIC_TREE_VERIFY
 from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
 from specpilot.mechanisms.tree_verify import MECHANISM as TREE_VERIFY
 from specpilot.mechanisms.two_level import MECHANISM as TWO_LEVEL
@@ -25,6 +26,8 @@ _ALL: tuple[Mechanism, ...] = (
     RAGGED_VERIFY,
     TIERED_BUDGET,
     ROW_BLOCK_LEN,
+    STATIC_TREE_VERIFY,
+    RAGGED_TREES,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

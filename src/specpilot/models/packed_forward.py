@@ -8,6 +8,10 @@ the real rows again. K/V are written only at real tokens' slots; the bucket's pa
 theirs to the cache's last slot, which no real query ever sees (the engine keeps a margin of
 free slots past every row's final length).
 
+Tree verify (``depths`` and ``visible`` given): the block is a draft tree rather than a chain;
+block row j keeps its cache slot ``start + j`` but is rotated at position ``start + depth(j)``,
+and the causal mask is replaced by the tree mask (``models/tree_mask.py``).
+
 Where each packed row lives comes from a :class:`PackedLayout`: device buffers the host rewrites
 in place before each replay (one small host→device copy from pinned memory, ordered on the
 stream; no device→host sync).
@@ -26,6 +30,7 @@ from specpilot.kernels import reference
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.static_forward import StaticForward, attention_mask
 from specpilot.models.transformer import DecoderLayer
+from specpilot.models.tree_mask import tree_attention_mask
 
 
 def bucket_rows(m: int, bucket: int) -> int:
@@ -187,6 +192,8 @@ class PackedVerify:
         argmax_out: Tensor,  # [B, >= W] int64: a_0..a_{W-1} per row (only w_b are meaningful)
         hidden_layers: Sequence[int] = (),
         hidden_out: Tensor | None = None,  # [len(hidden_layers), B, W, hidden]
+        depths: Tensor | None = None,  # [B, W] int64 tree depth of each block row (None: chain)
+        visible: Tensor | None = None,  # [B, W, W] bool tree ancestor mask (with ``depths``)
     ) -> None:
         b, w = block.shape
         h = self.cfg.hidden_size
@@ -197,11 +204,19 @@ class PackedVerify:
         flat = row * w + offset  # [M]
         pad_index = torch.where(real, flat, torch.full_like(flat, b * w))
         gather_index = torch.where(real, flat, torch.zeros_like(flat))
-        positions = start.index_select(0, row) + offset  # [M]
-        kv_slot = torch.where(real, positions, torch.full_like(positions, cache.max_seq_len - 1))
+        slot = start.index_select(0, row) + offset  # [M]
+        if depths is None:
+            positions = slot
+        else:  # tree: RoPE at the node's depth, K/V at its block slot
+            positions = start.index_select(0, row) + depths.reshape(b * w).index_select(0, flat)
+        kv_slot = torch.where(real, slot, torch.full_like(slot, cache.max_seq_len - 1))
         q_row = torch.where(real, row, torch.full_like(row, b))
         place = torch.stack([q_row, offset, row, kv_slot]).contiguous()  # [4, M]
-        mask = attention_mask(start, w, attn_len, self.fwd.groups, self.fwd.model.dtype)
+        dtype = self.fwd.model.dtype
+        if visible is None:
+            mask = attention_mask(start, w, attn_len, self.fwd.groups, dtype)
+        else:
+            mask = tree_attention_mask(start, visible, attn_len, self.fwd.groups, dtype)
         tokens = block.reshape(b * w).index_select(0, gather_index)  # [M]
         x = F.embedding(tokens, self.fwd.model.embed)  # [M, hidden]
         layers = [lyr for lyr in self.fwd.model.layers if isinstance(lyr, DecoderLayer)]

@@ -96,10 +96,14 @@ class StaticForward:
         layer: DecoderLayer,
         k_cache: Tensor,  # [B, H_kv, S, D]
         v_cache: Tensor,
-        positions: Tensor,  # [M] int64 (== cache slots)
+        positions: Tensor,  # [M] int64 RoPE positions
         batch: int,
+        slots: Tensor | None = None,  # [M] int64 cache slots; None: the positions
     ) -> Tensor:
-        """RoPE (+ q/k norm), K/V written at their slots; returns q ``[B, H_kv, G*T, D]``."""
+        """RoPE (+ q/k norm), K/V written at their slots; returns q ``[B, H_kv, G*T, D]``.
+
+        Slots and positions are equal for a chain; a tree puts node i at slot ``start + i`` and
+        position ``start + depth(i)``."""
         cfg, m = self.cfg, qkv.shape[0]
         d, hkv, t = cfg.head_dim, cfg.num_kv_heads, qkv.shape[0] // batch
         model = self.model
@@ -118,6 +122,7 @@ class StaticForward:
                 cfg.rms_norm_eps,
                 k_cache,
                 v_cache,
+                slots,
             )
         q_cols = q_heads * d
         q = qkv[:, :q_cols].reshape(m, q_heads, d)
@@ -125,10 +130,10 @@ class StaticForward:
         v = qkv[:, q_cols + hkv * d :].reshape(m, hkv, d)
         eps = cfg.rms_norm_eps
         k = reference.rope_rows_ref(k, model.rope_cos, model.rope_sin, positions, layer.k_norm, eps)
-        slots = positions.view(batch, t)
+        slot_bt = (positions if slots is None else slots).view(batch, t)
         bidx = torch.arange(batch, device=qkv.device)[:, None]
-        k_cache.permute(0, 2, 1, 3)[bidx, slots] = k.view(batch, t, hkv, d)
-        v_cache.permute(0, 2, 1, 3)[bidx, slots] = v.reshape(batch, t, hkv, d)
+        k_cache.permute(0, 2, 1, 3)[bidx, slot_bt] = k.view(batch, t, hkv, d)
+        v_cache.permute(0, 2, 1, 3)[bidx, slot_bt] = v.reshape(batch, t, hkv, d)
         if q_heads == 0:
             return q.new_empty(batch, hkv, 0, d)
         q = reference.rope_rows_ref(q, model.rope_cos, model.rope_sin, positions, layer.q_norm, eps)

@@ -1,0 +1,387 @@
+"""Static tree verify on the CPU (fp32, no graphs): the static engine verifying draft trees —
+one per batch or ragged per row — commits exactly the stock AR tokens; the compacted K/V equals a
+fresh prefill; a broken accept is caught by token forcing; the Triton RoPE/KV-write kernel keeps
+positions and slots apart under the interpreter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from specpilot.drafters.block_drafter import BlockDrafter
+from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
+from specpilot.drafters.static_tree import StaticTree, build_static_tree, parse_tree
+from specpilot.drafters.tree import TreeShape
+from specpilot.engine import static_tree
+from specpilot.engine.build import EngineBuild
+from specpilot.engine.loop import SpecEngine
+from specpilot.engine.static_engine import StaticEngine
+from specpilot.engine.tree_policy import FixedTree, RaggedTrees
+from specpilot.errors import SpecPilotError
+from specpilot.forcing import force_tokens
+from specpilot.mechanisms import MECHANISMS
+from specpilot.models.static_forward import StaticForward
+from specpilot.synthetic import init_random_on_device
+from test_gpu_path import PROMPTS, tiny, toks
+
+BATCH_PROMPTS = [*PROMPTS, [5, 6, 7, 8, 9, 10, 11, 12, 13], [1], [40, 41, 42]]
+TREES = {
+    "chain7": StaticTree.chain(7),
+    "wide12": parse_tree("nodes=12,depth=7,width=3,branch=2"),
+    "bushy10": parse_tree("nodes=10,depth=4,width=4,branch=3"),
+}
+
+
+def _block(model: Any, block: int = 8, seed: int = 3) -> BlockDrafter:
+    drafter = BlockDrafter(model, num_layers=1, block=block, num_context_layers=2)
+    init_random_on_device(drafter.weights, seed)
+    return drafter
+
+
+def _sim(model: Any, p_sibling: float = 0.6, seed: int = 1, **kw: Any) -> SimulatedAcceptance:
+    prof = AcceptanceProfile.parse("tau=3,block=8")
+    return SimulatedAcceptance(_block(model), prof, seed=seed, p_sibling=p_sibling, **kw)
+
+
+# ---------------------------------------------------------------------- topology
+def test_static_tree_builder() -> None:
+    shape = TreeShape(depth=5, widths=(3, 2, 2, 1, 1), max_nodes=8, branch=3)
+    tree = build_static_tree(shape)
+    assert tree.nodes == 8 and tree.depth == 5
+    assert tree.parents[:5] == (-1, 0, 1, 2, 3) and tree.ranks[:5] == (0,) * 5  # chain first
+    for d, w in enumerate(shape.widths, start=1):
+        assert sum(1 for x in tree.depths if x == d) <= w
+    assert StaticTree.chain(4).label() == "chain4" and tree.label() == "tree8d5"
+    assert parse_tree("chain3") == StaticTree.chain(3)
+    with pytest.raises(ValueError, match="Bad tree"):
+        parse_tree("nodes=3")
+    with pytest.raises(ValueError, match="DFS"):
+        StaticTree(parents=(-1, 2, 0), depths=(1, 2, 2), ranks=(0, 0, 1))
+
+
+def test_accepted_path_exact_cases() -> None:
+    """Synthetic argmax forcing each outcome: sibling path, deeper branch, nothing, frozen row."""
+    tree = StaticTree(parents=(-1, 0, -1, 2), depths=(1, 2, 1, 2), ranks=(0, 0, 1, 0))
+    topo, vis = static_tree.tree_tables(tree, 5)
+    topo_t = torch.tensor([topo, topo, topo, topo]).permute(1, 0, 2)  # [4, B, W]
+    vis_t = torch.tensor([vis] * 4)
+    tokens = torch.tensor([[9, 10, 11, 20, 21]] * 4)  # root, n0, n1, n2, n3
+    argmax = torch.tensor(
+        [
+            [20, 0, 0, 21, 7],  # root → n2 (20) → n3 (21): path n2, n3; bonus 7
+            [10, 11, 5, 0, 0],  # root → n0 → n1: first chain; bonus 5
+            [3, 0, 0, 0, 0],  # nothing accepted; bonus 3
+            [10, 11, 5, 0, 0],  # frozen row: commits nothing
+        ]
+    )
+    active = torch.tensor([1, 1, 1, 0])
+    n, src = static_tree.accepted_path(tokens, argmax, topo_t, vis_t, active, 3)
+    assert n.tolist() == [2, 2, 0, 0]
+    assert src[0, :3].tolist() == [0, 3, 4] and src[1, :3].tolist() == [0, 1, 2]
+    assert src[2].tolist() == [0, 1, 2, 3] and src[3].tolist() == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------- engine == AR
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_engine_equals_ar(arch: str, tree: str, seed: int) -> None:
+    """GQA / qwen2 bias / qwen3 qk-norm, several tree shapes and seeds, batch 1 and B > 1:
+    tokens equal the stock AR loop, no oracle divergence, and siblings are accepted."""
+    model = tiny(arch, seed=seed + 1)
+    ref = toks(SpecEngine(model).generate(BATCH_PROMPTS, 40))
+    for prompts, want in ((BATCH_PROMPTS[:1], ref[:1]), (BATCH_PROMPTS, ref)):
+        sim = _sim(model, seed=seed)
+        eng = StaticEngine(model, sim, attn_bucket=16, tree_policy=FixedTree(TREES[tree]))
+        got = eng.generate(prompts, 40)
+        assert toks(got) == want
+        assert sim.divergences == 0
+        assert all(r.stats.mean_accepted_len > 1.5 for r in got)
+
+
+def test_tree_engine_stops_at_eos_mid_tree() -> None:
+    model = tiny("qwen3", seed=2)
+    ref = SpecEngine(model).generate(BATCH_PROMPTS, 40)
+    eos = ref[0].tokens[9]
+    ref = SpecEngine(model).generate(BATCH_PROMPTS, 40, eos_ids=[eos])
+    eng = StaticEngine(model, _sim(model), attn_bucket=16, tree_policy=FixedTree(TREES["wide12"]))
+    got = eng.generate(BATCH_PROMPTS, 40, eos_ids=[eos])
+    assert toks(got) == toks(ref)
+    assert [r.stop_reason for r in got] == [r.stop_reason for r in ref]
+    assert "eos" in {r.stop_reason for r in got}
+
+
+def test_siblings_add_accepted_tokens() -> None:
+    """With simulated p_sibling, a tree commits more per verify than the chain of equal depth,
+    and with p_sibling = 0 exactly as much (the chain profile is the tree's first branch)."""
+    model = tiny("llama", seed=3)
+    taus = {}
+    for name, tree, p_sib in (
+        ("chain", StaticTree.chain(7), 0.8),
+        ("tree", parse_tree("nodes=20,depth=7,width=3,branch=2"), 0.8),
+        ("tree0", parse_tree("nodes=20,depth=7,width=3,branch=2"), 0.0),
+    ):
+        eng = StaticEngine(model, _sim(model, p_sib), attn_bucket=32, tree_policy=FixedTree(tree))
+        res = eng.generate(BATCH_PROMPTS[:2], 120)
+        taus[name] = sum(r.stats.committed for r in res) / sum(r.stats.cycles for r in res)
+    assert taus["tree"] > taus["chain"] + 0.3
+    assert taus["tree0"] == pytest.approx(taus["chain"], abs=0.35)
+
+
+def test_ragged_trees_equal_ar() -> None:
+    """Rows at τ 1.5 and 6 (simulated): the policy gives the uncertain rows the wide tree and the
+    confident ones the chain in the same verify; tokens equal AR."""
+    model = tiny("qwen2", seed=5)
+    ref = toks(SpecEngine(model).generate(BATCH_PROMPTS, 60))
+    profiles = [AcceptanceProfile.parse(t) for t in ("tau=1.5,block=8", "tau=6,block=8")]
+    sim = _sim(model, row_profiles=profiles)
+    policy = RaggedTrees(StaticTree.chain(7), TREES["wide12"], budget=10.0, decay=0.5)
+    seen: list[list[str]] = []
+    trees = policy.trees
+
+    def spy(active: Any) -> Any:
+        out = trees(active)
+        seen.append([t.label() if a else "-" for t, a in zip(out, active, strict=True)])
+        return out
+
+    policy.trees = spy  # type: ignore[method-assign]
+    eng = StaticEngine(model, sim, attn_bucket=16, tree_policy=policy, packed_bucket=4)
+    got = eng.generate(BATCH_PROMPTS, 60)
+    assert toks(got) == ref and sim.divergences == 0
+    assert any({"chain7", "tree12d6"} <= set(s) for s in seen), "no verify mixed chain and tree"
+    late = seen[len(seen) // 3 :]
+    to_low = sum(s[b] == "tree12d6" for s in late for b in (0, 2, 4))  # rows at τ 1.5
+    to_high = sum(s[b] == "tree12d6" for s in late for b in (1, 3))  # rows at τ 6
+    assert to_low > 4 * max(to_high, 1)
+
+
+def test_random_ragged_trees_fuzz() -> None:
+    """A policy drawing a random tree per row every cycle (topology buffers rewritten each time)
+    never changes a token."""
+    import random
+
+    class RandomTrees:
+        name = "random"
+        shapes = (StaticTree.chain(3), *TREES.values(), StaticTree.chain(1))
+
+        def __init__(self) -> None:
+            self.rng = random.Random(0)
+
+        def reset(self, batch: int, k: int) -> None:
+            return None
+
+        def trees(self, active: Any) -> list[StaticTree]:
+            return [self.rng.choice(self.shapes) for _ in active]
+
+        def observe(self, row: int, drafted: int, accepted: int) -> None:
+            return None
+
+    model = tiny("qwen3", seed=8)
+    sim = _sim(model, p_sibling=0.7, seed=4)
+    eng = StaticEngine(model, sim, attn_bucket=16, tree_policy=RandomTrees(), packed_bucket=8)
+    got = eng.generate(BATCH_PROMPTS, 50)
+    assert toks(got) == toks(SpecEngine(model).generate(BATCH_PROMPTS, 50))
+    assert sim.divergences == 0
+
+
+def test_real_block_drafter_tree_and_forcing() -> None:
+    """A real (random) block drafter's top-k tree, no simulation: AR tokens, forcing clean."""
+    model = tiny("qwen3", seed=4)
+    eng = StaticEngine(model, _block(model), attn_bucket=16, tree_policy=FixedTree(TREES["wide12"]))
+    got = eng.generate(BATCH_PROMPTS, 30)
+    assert toks(got) == toks(SpecEngine(model).generate(BATCH_PROMPTS, 30))
+    records = [
+        (str(i), p, r.tokens) for i, (p, r) in enumerate(zip(BATCH_PROMPTS, got, strict=True))
+    ]
+    report = force_tokens(model, records)
+    assert report.ok and report.near_ties == 0
+
+
+# ---------------------------------------------------------------------- K/V compaction
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compacted_kv_equals_fresh_prefill(arch: str) -> None:
+    """After decoding with sibling-heavy trees (many off-first-path acceptances), every committed
+    slot's K/V equals a fresh prefill of the committed sequence."""
+    model = tiny(arch, seed=6)
+    eng = StaticEngine(
+        model, _sim(model, 1.0), attn_bucket=16, tree_policy=FixedTree(TREES["bushy10"])
+    )
+    got = eng.generate(BATCH_PROMPTS, 33)
+    assert eng.cache is not None and eng.state is not None
+    lens = eng.state.committed_len.tolist()
+    seqs = [p + r.tokens for p, r in zip(BATCH_PROMPTS, got, strict=True)]
+    b = len(seqs)
+    fresh = model.allocate_cache(b, eng.cache.max_seq_len)
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(b, width, dtype=torch.int64)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.tensor(s)
+    StaticForward(model)(ids, fresh, torch.zeros(b, dtype=torch.int64), eng.bucket(width))
+    for row, s in enumerate(seqs):
+        valid = min(len(s), lens[row]) - 1  # slots whose K/V the engine has committed
+        for i in range(model.cfg.num_layers):
+            torch.testing.assert_close(
+                eng.cache.k[i][row, :, :valid], fresh.k[i][row, :, :valid], rtol=1e-5, atol=1e-5
+            )
+            torch.testing.assert_close(
+                eng.cache.v[i][row, :, :valid], fresh.v[i][row, :, :valid], rtol=1e-5, atol=1e-5
+            )
+
+
+# ---------------------------------------------------------------------- must be able to fail
+def test_broken_accept_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An accept that takes a node whose token is not the argmax at its parent changes tokens,
+    and token forcing reports it."""
+    real = static_tree.accepted_path
+
+    def broken(tokens: Any, argmax: Any, topo: Any, visible: Any, active: Any, k: int) -> Any:
+        n, src = real(tokens, argmax, topo, visible, active, k)
+        # claim one more first-branch node than was accepted (if it exists in the tree)
+        depth1 = topo[1]
+        extra = (n < depth1.max(dim=1).values) & active.bool()
+        src2 = src.clone()
+        nxt = (n + 1).clamp(max=k)
+        src2.scatter_(
+            1, nxt[:, None], torch.where(extra, nxt, src.gather(1, nxt[:, None])[:, 0])[:, None]
+        )
+        return n + extra.long(), src2
+
+    monkeypatch.setattr(static_tree, "accepted_path", broken)
+    model = tiny("llama", seed=7)
+    eng = StaticEngine(
+        model, _block(model), attn_bucket=16, tree_policy=FixedTree(StaticTree.chain(7))
+    )
+    got = eng.generate(BATCH_PROMPTS, 20)
+    assert toks(got) != toks(SpecEngine(model).generate(BATCH_PROMPTS, 20))
+    records = [
+        (str(i), p, r.tokens) for i, (p, r) in enumerate(zip(BATCH_PROMPTS, got, strict=True))
+    ]
+    assert not force_tokens(model, records).ok
+
+
+# ---------------------------------------------------------------------- setup errors, registry
+def test_tree_setup_errors() -> None:
+    model = tiny("llama")
+    with pytest.raises(ValueError, match="deeper"):
+        StaticEngine(model, _block(model), tree_policy=FixedTree(StaticTree.chain(9)))
+    with pytest.raises(ValueError, match="drafter"):
+        StaticEngine(model, None, tree_policy=FixedTree(StaticTree.chain(3)))
+    with pytest.raises(ValueError, match="budget"):
+        RaggedTrees(StaticTree.chain(7), TREES["wide12"], budget=4.0)
+
+
+def test_mechanisms_registered_and_applied() -> None:
+    fixed, ragged = MECHANISMS["static-tree-verify"], MECHANISMS["ragged-trees"]
+    assert fixed.applies.allows("cuda", "bf16", "block", "single", "llama")
+    assert ragged.applies.allows("cuda", "bf16", "block", "batched", "llama")
+    assert not ragged.applies.allows("cuda", "bf16", "block", "single", "llama")
+    assert "committed" in fixed.lossless and "compact" not in ragged.name
+    build = EngineBuild(config=SimpleNamespace(), target=None, draft_model=None, drafter=None)  # type: ignore[arg-type]
+    ragged.apply(build, ragged.resolve_knobs({"max_nodes": 20, "depth": 7, "chain": 7}))
+    assert isinstance(build.tree_policy, RaggedTrees) and build.packed_bucket == 16
+    assert build.tree_policy.uncertain.nodes == 20
+    with pytest.raises(SpecPilotError, match="only one"):
+        fixed.apply(build, fixed.resolve_knobs({}))
+
+
+def test_tree_static_gpu_bench_tiny(tmp_path: Path) -> None:
+    """The H200 script end to end on tiny CPU shapes: every variant equals AR, labelled."""
+    import importlib.util
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "tree_static_gpu.py"
+    spec = importlib.util.spec_from_file_location("tree_static_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.main(["--out", str(tmp_path), "--tiny", "--nodes", "4,12", "--new-tokens", "16"])
+    saved = json.loads((tmp_path / "tree_static_gpu.json").read_text())
+    assert "simulated acceptance" in saved["label"] and "p_sibling" in saved["label"]
+    assert saved["runs"] == result["runs"] and len(saved["verify_cost"]) == 3
+    parts = [(r["part"], r["variant"]) for r in saved["runs"]]
+    assert len(parts) == 10 and ("c", "ragged chain6/tree14d6") in parts
+    for r in saved["runs"]:
+        assert r["variant"] == "ar" or (r["mismatches"] == 0 and r["rows_equal_ar"] == r["rows"])
+
+
+# ---------------------------------------------------------------------- Triton, interpreted
+SLOTS_KERNEL_CHECK = """
+import torch
+from specpilot.kernels import decode_triton, reference
+torch.manual_seed(0)
+b, t, hq, hkv, d, s = 2, 3, 4, 2, 16, 12
+for norm in (False, True):
+    qkv = torch.randn(b * t, (hq + 2 * hkv) * d)
+    pos = torch.tensor([3, 4, 4, 5, 6, 6])
+    slots = torch.tensor([3, 4, 5, 5, 6, 7])
+    ang = torch.randn(32, d // 2)
+    cos, sin = ang.cos().repeat(1, 2), ang.sin().repeat(1, 2)  # RoPE tables: halves repeat
+    qn = torch.randn(d) if norm else None
+    kn = torch.randn(d) if norm else None
+    kc, vc = torch.zeros(b, hkv, s, d), torch.zeros(b, hkv, s, d)
+    q = decode_triton.rope_qkv_write(qkv, hq, hkv, d, b, pos, cos, sin, qn, kn, 1e-6, kc, vc, slots)
+    k = reference.rope_rows_ref(qkv[:, hq * d:(hq + hkv) * d].reshape(-1, hkv, d), cos, sin, pos, kn, 1e-6)
+    v = qkv[:, (hq + hkv) * d:].reshape(-1, hkv, d)
+    qr = reference.rope_rows_ref(qkv[:, :hq * d].reshape(-1, hq, d), cos, sin, pos, qn, 1e-6)
+    for m in range(b * t):
+        row = m // t
+        torch.testing.assert_close(kc[row, :, slots[m]], k[m], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vc[row, :, slots[m]], v[m])
+    g = hq // hkv
+    qr = qr.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
+    torch.testing.assert_close(q, qr, rtol=1e-5, atol=1e-5)
+print("slots kernel ok")
+"""
+
+
+def test_rope_kernel_positions_apart_from_slots() -> None:
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", SLOTS_KERNEL_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "slots kernel ok" in out.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_tree_graphs_on_cuda() -> None:
+    """Tree draft / verify / accept captured as CUDA graphs equal the eager path (and AR in fp32),
+    for a fixed tree and for ragged trees."""
+    from specpilot.synthetic import build_block_drafter, build_target
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_target("tiny-qwen3", "cuda", dtype, max_positions=1024)
+        ref = SpecEngine(model).generate(BATCH_PROMPTS, 64)
+        profiles = [AcceptanceProfile.parse(t) for t in ("tau=1.5,block=9", "tau=6,block=9")]
+        for make in (
+            lambda: FixedTree(TREES["wide12"]),
+            lambda: RaggedTrees(StaticTree.chain(6), TREES["wide12"], budget=9.0),
+        ):
+            outs = []
+            for use_graphs in (False, True):
+                sim = SimulatedAcceptance(
+                    build_block_drafter(model, "tiny-block"),
+                    AcceptanceProfile.parse("tau=3,block=9"),
+                    row_profiles=profiles,
+                    p_sibling=0.5,
+                )
+                eng = StaticEngine(model, sim, use_graphs=use_graphs, tree_policy=make())
+                outs.append(toks(eng.generate(BATCH_PROMPTS, 64)))
+            assert outs[1] == outs[0]
+            if dtype == torch.float32:
+                assert outs[0] == toks(ref)
