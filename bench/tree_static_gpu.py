@@ -44,7 +44,7 @@ from specpilot.drafters.tree import TreeShape
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees, TreePolicy
 from specpilot.forcing import force_tokens
-from specpilot.synthetic import build_block_drafter, build_target
+from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip part c after this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--peaked",
+        action="store_true",
+        help="peaked random target (synthetic.make_peaked): clear top-1 margins, no bf16 near-ties",
+    )
     args = ap.parse_args(argv)
     t = args.tiny
     args.profile = args.profile or ("tau=3,block=9" if t else "tau=5,block=16")
@@ -141,12 +146,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     shape, dshape = ("tiny-llama", "tiny-block") if args.tiny else ("llama3-8b", "dflash-b16")
     target = build_target(shape, dev, dtype, seed=args.seed, max_positions=2048)
+    if args.peaked:
+        make_peaked(target)
     block = build_block_drafter(target, dshape)
     k = block.k
     profile = AcceptanceProfile.parse(args.profile)
     label = (
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL} "
         f"(chain profile {args.profile}, p_sibling {args.p_sibling:g})"
+        + (" · peaked random target" if args.peaked else "")
     )
     result: dict[str, Any] = {
         "label": label,
