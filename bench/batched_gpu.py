@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
+from specpilot.bench.static_runs import check_rows, run_twice
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.widths import FixedWidths, RowBlockLength, TieredBudget, WidthPolicy
-from specpilot.forcing import force_tokens
 from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
@@ -58,6 +58,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no concurrency after")
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="time the window in which every row decodes (until the first row is done)",
+    )
     ap.add_argument(
         "--peaked",
         action="store_true",
@@ -85,28 +90,6 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[], WidthPolicy | N
     return out
 
 
-def run_twice(engine: StaticEngine, prompts: list[list[int]], n: int) -> tuple[list[Any], float]:
-    """Warm-up (graph capture), then the timed run; returns its results and decode tok/s."""
-    engine.generate(prompts, n)
-    res = engine.generate(prompts, n)
-    new = sum(len(r.tokens) - 1 for r in res)  # the first token comes from prefill
-    return res, new / engine.times.wall
-
-
-def check_rows(
-    target: Any, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]
-) -> dict[str, Any]:
-    """Rows identical to AR; the others token-forced (near-ties counted, mismatches fail)."""
-    differ = [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
-    out: dict[str, Any] = {"rows": len(ref), "rows_equal_ar": len(ref) - len(differ)}
-    if differ:
-        report = force_tokens(target, [(str(i), prompts[i], got[i]) for i in differ])
-        out.update(near_ties=report.near_ties, mismatches=report.mismatches, forcing=report.ok)
-    else:
-        out.update(near_ties=0, mismatches=0, forcing=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
@@ -125,6 +108,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL}, per-row τ cycling "
         f"{{{', '.join(f'{x:g}' for x in taus)}}} at block {bsize}"
         + (" · peaked random target" if args.peaked else "")
+        + (" · steady-state window (until the first row is done)" if args.steady else "")
     )
     result: dict[str, Any] = {
         "label": label,
@@ -145,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(conc)]
         ar = StaticEngine(target)
-        ar_res, ar_tok_s = run_twice(ar, prompts, args.new_tokens)
+        ar_res, ar_tok_s = run_twice(ar, prompts, args.new_tokens, args.steady)
         ref = [r.tokens for r in ar_res]
         result["runs"].append(
             {
@@ -167,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             sim = SimulatedAcceptance(block, profiles[0], seed=args.seed, row_profiles=profiles)
             policy = make()
             eng = StaticEngine(target, sim, profile=True, width_policy=policy)
-            res, tok_s = run_twice(eng, prompts, args.new_tokens)
+            res, tok_s = run_twice(eng, prompts, args.new_tokens, args.steady)
             cycles = max(eng.times.cycles, 1)
             row_cycles = sum(r.stats.cycles for r in res)
             committed = sum(r.stats.committed for r in res)

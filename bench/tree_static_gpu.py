@@ -38,12 +38,12 @@ from typing import Any
 
 import torch
 
+from specpilot.bench.static_runs import check_rows, run_twice
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees, TreePolicy
-from specpilot.forcing import force_tokens
 from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip part c after this")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="time the window in which every row decodes (until the first row is done)",
+    )
     ap.add_argument(
         "--peaked",
         action="store_true",
@@ -85,28 +90,6 @@ def tree_of(nodes: int, depth: int) -> StaticTree:
     return build_static_tree(TreeShape.uniform(depth, width, nodes, branch=2))
 
 
-def run_twice(engine: StaticEngine, prompts: list[list[int]], n: int) -> tuple[list[Any], float]:
-    """Warm-up (graph capture), then the timed run; returns its results and decode tok/s."""
-    engine.generate(prompts, n)
-    res = engine.generate(prompts, n)
-    new = sum(len(r.tokens) - 1 for r in res)  # the first token comes from prefill
-    return res, new / engine.times.wall
-
-
-def check_rows(
-    target: Any, prompts: list[list[int]], ref: list[list[int]], got: list[list[int]]
-) -> dict[str, Any]:
-    """Rows identical to AR; the others token-forced (near-ties counted, mismatches fail)."""
-    differ = [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b]
-    out: dict[str, Any] = {"rows": len(ref), "rows_equal_ar": len(ref) - len(differ)}
-    if differ:
-        report = force_tokens(target, [(str(i), prompts[i], got[i]) for i in differ])
-        out.update(near_ties=report.near_ties, mismatches=report.mismatches, forcing=report.ok)
-    else:
-        out.update(near_ties=0, mismatches=0, forcing=True)
-    return out
-
-
 def spec_row(
     part: str,
     name: str,
@@ -117,8 +100,9 @@ def spec_row(
     ar_tok_s: float,
     n: int,
     verify_tokens: float,
+    steady: bool = False,
 ) -> dict[str, Any]:
-    res, tok_s = run_twice(engine, prompts, n)
+    res, tok_s = run_twice(engine, prompts, n, steady)
     cycles = max(engine.times.cycles, 1)
     row_cycles = sum(r.stats.cycles for r in res)
     return {
@@ -155,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL} "
         f"(chain profile {args.profile}, p_sibling {args.p_sibling:g})"
         + (" · peaked random target" if args.peaked else "")
+        + (" · steady-state window (until the first row is done)" if args.steady else "")
     )
     result: dict[str, Any] = {
         "label": label,
@@ -201,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # ---------------------------------------------------------------- (b) batch 1
     ar = StaticEngine(target)
-    ar_res, ar_tok_s = run_twice(ar, one, args.new_tokens)
+    ar_res, ar_tok_s = run_twice(ar, one, args.new_tokens, args.steady)
     ref = [r.tokens for r in ar_res]
     result["runs"].append({"part": "b", "batch": 1, "variant": "ar", "tok_s": ar_tok_s})
     print(f"[tree_static] b=1 ar {ar_tok_s:.1f} tok/s", flush=True)
@@ -214,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, policy, vt in b1:
         sim = sim_for(args.seed)
         eng = StaticEngine(target, sim, profile=True, tree_policy=policy)
-        row = spec_row("b", name, eng, sim, one, ref, ar_tok_s, args.new_tokens, vt)
+        row = spec_row("b", name, eng, sim, one, ref, ar_tok_s, args.new_tokens, vt, args.steady)
         result["runs"].append(row)
         print(f"[tree_static] b=1 {name} {row}", flush=True)
         del eng, sim
@@ -231,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(bsz)]
         n_c = max(args.new_tokens // 2, 8)
         ar = StaticEngine(target)
-        ar_res, ar_tok_s = run_twice(ar, prompts, n_c)
+        ar_res, ar_tok_s = run_twice(ar, prompts, n_c, args.steady)
         ref = [r.tokens for r in ar_res]
         result["runs"].append({"part": "c", "batch": bsz, "variant": "ar", "tok_s": ar_tok_s})
         confident = StaticTree.chain(max(1, (3 * k) // 4))  # chain 11 at k = 15
@@ -249,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name, policy, vt in bc:
             sim = sim_for(args.seed, rows)
             eng = StaticEngine(target, sim, profile=True, tree_policy=policy)
-            row = spec_row("c", name, eng, sim, prompts, ref, ar_tok_s, n_c, vt)
+            row = spec_row("c", name, eng, sim, prompts, ref, ar_tok_s, n_c, vt, args.steady)
             if policy is not None:
                 row["packed_rows_per_cycle"] = eng.rows_verified / max(eng.times.cycles, 1)
             result["runs"].append(row)

@@ -98,6 +98,29 @@ def test_block_drafter_lossless(arch: str) -> None:
     assert toks(StaticEngine(model, block, attn_bucket=16).generate(PROMPTS, 40)) == toks(ref)
 
 
+def test_steady_window_stops_when_the_first_row_is_done() -> None:
+    """``until_first_done``: the loop ends in the cycle where the first row finishes; each row's
+    tokens are a prefix of its full output, the fast row is complete, the slow one is not."""
+    model = tiny("llama")
+    block = BlockDrafter(model, num_layers=1, block=6, num_context_layers=2)
+    init_random_on_device(block.weights, 3)
+    fast, slow = (
+        AcceptanceProfile.parse("tau=5,block=6"),
+        AcceptanceProfile.parse("tau=1.2,block=6"),
+    )
+
+    def run(steady: bool) -> list[list[int]]:
+        sim = SimulatedAcceptance(block, fast, seed=1, row_profiles=[fast, slow])
+        eng = StaticEngine(model, sim, attn_bucket=16)
+        return toks(eng.generate(PROMPTS, 40, until_first_done=steady))
+
+    full, part = run(False), run(True)
+    assert [f[: len(p)] for f, p in zip(full, part, strict=True)] == part
+    assert len(part[0]) == 40 and len(part[1]) < 40
+    ar = StaticEngine(model, attn_bucket=16).generate(PROMPTS, 40, until_first_done=True)
+    assert toks(ar) == full  # AR rows advance together, so no row is cut short
+
+
 def test_profile_parse() -> None:
     p = AcceptanceProfile.parse("tau=6.5,block=16")
     assert p.k == 15 and p.tau == pytest.approx(6.5, abs=1e-9)

@@ -389,7 +389,14 @@ class StaticEngine:
         prompts: Sequence[Sequence[int]],
         max_new_tokens: int,
         eos_ids: Sequence[int] = (),
+        until_first_done: bool = False,
     ) -> list[GenerationResult]:
+        """Decode every row to ``max_new_tokens`` or EOS.
+
+        ``until_first_done`` stops the loop at the end of the cycle in which the first row
+        finishes: a steady-state window in which every row of the batch is decoding, as rows of a
+        continuously refilled batch are (the other rows' tokens are a prefix of their output).
+        """
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         self.times = CycleTimes()
@@ -406,7 +413,7 @@ class StaticEngine:
         self._sync()
         t0, excluded0 = time.perf_counter(), self.times.excluded
         events: list[tuple[torch.cuda.Event, ...]] = []
-        while any(active):
+        while all(active) if until_first_done else any(active):
             if self.drafter is None:
                 self._ar_window(results, active, eos, max_new_tokens)
             else:

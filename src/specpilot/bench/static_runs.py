@@ -1,0 +1,43 @@
+"""Timed runs of the static engine for the GPU benchmark scripts, and their lossless check."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from specpilot.engine.loop import GenerationResult
+from specpilot.engine.static_engine import StaticEngine
+from specpilot.forcing import force_tokens
+from specpilot.models.transformer import Transformer
+
+
+def run_twice(
+    engine: StaticEngine, prompts: list[list[int]], n: int, steady: bool = False
+) -> tuple[list[GenerationResult], float]:
+    """Warm-up (graph capture), then the timed run; returns its results and decode tok/s.
+
+    ``steady``: time only the window in which every row decodes (until the first row is done),
+    the throughput of a batch whose finished rows are replaced at once."""
+    engine.generate(prompts, n, until_first_done=steady)
+    res = engine.generate(prompts, n, until_first_done=steady)
+    new = sum(len(r.tokens) - 1 for r in res)  # the first token comes from prefill
+    return res, new / engine.times.wall
+
+
+def check_rows(
+    target: Transformer,
+    prompts: Sequence[Sequence[int]],
+    ref: Sequence[Sequence[int]],
+    got: Sequence[Sequence[int]],
+) -> dict[str, Any]:
+    """Rows equal to (a prefix of) AR's; the others token-forced (near-ties counted)."""
+    differ = [
+        i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if list(a[: len(b)]) != list(b)
+    ]
+    out: dict[str, Any] = {"rows": len(ref), "rows_equal_ar": len(ref) - len(differ)}
+    if differ:
+        report = force_tokens(target, [(str(i), prompts[i], got[i]) for i in differ])
+        out.update(near_ties=report.near_ties, mismatches=report.mismatches, forcing=report.ok)
+    else:
+        out.update(near_ties=0, mismatches=0, forcing=True)
+    return out
