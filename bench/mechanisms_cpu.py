@@ -29,6 +29,7 @@ import torch
 
 from specpilot.bench.prompts import load_prompt_set
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
+from specpilot.drafters.early_exit import early_exit_model
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine import SpecEngine
 from specpilot.mechanisms.exact_argmax import ExactArgmaxHead
@@ -37,26 +38,10 @@ from specpilot.models.transformer import Transformer, project
 from specpilot.runtime import load_model
 
 
-def early_exit_drafter(target: Transformer, layers: int) -> Transformer:
-    """The target's first ``layers`` layers, final norm and head, sharing its weights."""
-    from dataclasses import replace
-
-    cfg = replace(target.cfg, num_layers=layers)
-    draft = Transformer(
-        cfg, dtype=target.dtype, device=target.device, max_positions=target.max_positions
-    )
-    draft.embed = target.embed
-    draft.lm_head = target.lm_head
-    draft.final_norm = target.final_norm
-    draft.layers = torch.nn.ModuleList(list(target.layers)[:layers])
-    draft.lm_head_in_out = target.lm_head_in_out
-    return draft
-
-
 def run_set(target: Any, tok: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
     prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set(name, args.prompts)]
     eos = list(target.cfg.eos_token_ids)
-    draft = early_exit_drafter(target, args.draft_layers)
+    draft = early_exit_model(target, args.draft_layers)
     n = args.nodes
     configs: dict[str, Any] = {
         "ar": lambda: SpecEngine(target),

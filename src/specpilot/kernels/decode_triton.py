@@ -139,7 +139,8 @@ def rope_qkv_write(
     """Rotate q and k (after q/k RMSNorm when given), write k and v into the cache.
 
     Row i is rotated at ``positions[i]`` and its K/V written at slot ``slots[i]`` (tree verify:
-    slot = block offset, position = depth) or, without ``slots``, at ``positions[i]``. Returns q as ``[B, H_kv, G*T, D]`` (row ``g*T + t``): the GQA group folded into the query
+    slot = block offset, position = depth) or, without ``slots``, at ``positions[i]``.
+    Returns q as ``[B, H_kv, G*T, D]`` (row ``g*T + t``): the GQA group folded into the query
     rows, so attention runs as plain multi-head attention over the H_kv cached heads.
     """
     m = qkv.shape[0]

@@ -33,8 +33,9 @@ from specpilot.kernels.w12_gemm import (
     MAX_SPLIT_K,
     GemmConfig,
     _bf16_to_f32,
-    _f32_to_bf16,
     _split,
+    _store_tile,
+    _x_operand,
     counter_buffer,
     default_config,
 )
@@ -46,13 +47,6 @@ def _q_operand(q, INTERPRET: tl.constexpr):
     if INTERPRET:
         return q.to(tl.float32)
     return q.to(tl.bfloat16)
-
-
-@triton.jit
-def _x_operand(x, INTERPRET: tl.constexpr):
-    if INTERPRET:  # the interpreter's dot multiplies the raw uint16 storage of bf16
-        return _bf16_to_f32(x)
-    return x
 
 
 @triton.jit
@@ -130,34 +124,10 @@ def _int8_kernel(
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
 
-    scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]  # [1, BN]
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if split == 1:
-        acc = acc * scale
-        if HAS_BIAS:
-            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
-    else:
-        tile_off = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(MAX_SPLIT):
-                if s < split:
-                    total += tl.load(
-                        part_ptr + s * M * N + tile_off,
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            total = total * scale
-            if HAS_BIAS:
-                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)
+    _store_tile(
+        acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok,
+        stride_ym, M, N, pid_m, pid_n, pid_k, split, True, HAS_BIAS, MAX_SPLIT, INTERPRET,
+    )  # fmt: skip
 
 
 def int8_matmul(

@@ -106,6 +106,47 @@ def _f32_to_bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(
+    acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
+    M, N, pid_m, pid_n, pid_k, split,
+    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Write one ``[BM, BN]`` fp32 tile as bf16 (× per-column scale, + bias). With split-K it is
+    stored as a partial; the last split to arrive sums every partial in split order (so the
+    result is deterministic), finishes the tile and re-arms the tile's counter."""
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if split == 1:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
+    else:
+        tile_off = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for s in tl.static_range(MAX_SPLIT):
+                if s < split:
+                    total += tl.load(
+                        part_ptr + s * M * N + tile_off,
+                        mask=out_mask,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+            if HAS_SCALE:
+                total = total * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+            if HAS_BIAS:
+                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
+
+
+@triton.jit
 def _k_step(
     acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
     K, half_k, top, W12: tl.constexpr, ESC_ZERO: tl.constexpr, USE_DOT: tl.constexpr,
@@ -257,31 +298,10 @@ def _linear_kernel(
                             (BLOCK_M, BLOCK_N),
                         )
 
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if split == 1:
-        if HAS_BIAS:
-            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
-    else:
-        tile_off = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(MAX_SPLIT):
-                if s < split:
-                    total += tl.load(
-                        part_ptr + s * M * N + tile_off,
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            if HAS_BIAS:
-                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)
+    _store_tile(
+        acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
+        M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
