@@ -32,6 +32,29 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def request_stream(
+    prompts: Sequence[tuple[str, Sequence[int]]],
+    n: int,
+    max_new_tokens: int,
+    eos: frozenset[int],
+) -> list[Request]:
+    """``n`` requests cycling through ``prompts`` (id, token ids), ids ``<prompt id>#<i>``."""
+    return [
+        Request(
+            f"{prompts[i % len(prompts)][0]}#{i}",
+            tuple(prompts[i % len(prompts)][1]),
+            max_new_tokens,
+            eos,
+        )
+        for i in range(n)
+    ]
+
+
+def warm_up_scheduler(sched: BatchScheduler, prompt: Sequence[int], eos: frozenset[int]) -> None:
+    """A few short requests through ``sched``, outside any timing."""
+    sched.run([Request(f"warm{i}", tuple(prompt[-16:]), 8, eos) for i in range(2)])
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of a non-empty sequence."""
     s = sorted(values)

@@ -65,8 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--segment-tokens",
         type=int,
-        default=256,
-        help="batched: prompt tokens a new request feeds per step (default: %(default)s)",
+        default=None,
+        help="batched: prompt tokens a new request feeds per step (default: the engine config's "
+        "segment_tokens, else 256)",
     )
     b.add_argument("--seed", type=int, default=0, help="batched: arrival seed (default: 0)")
     add_engine_args(p)

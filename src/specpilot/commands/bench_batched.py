@@ -10,12 +10,19 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from specpilot.bench.batched import BatchedRun, poisson_arrivals, run_stream
+from specpilot.bench.batched import (
+    BatchedRun,
+    poisson_arrivals,
+    request_stream,
+    run_stream,
+    warm_up_scheduler,
+)
 from specpilot.bench.prompts import load_prompt_set
 from specpilot.bench.records import RunRecord, append_records, make_record
 from specpilot.bench.runner import force_records
 from specpilot.commands.common import Deployment, build_deployment
-from specpilot.engine.batching import BatchScheduler, Request
+from specpilot.engine.batching import BatchScheduler
+from specpilot.engine.config import resolve_segment_tokens
 from specpilot.errors import SpecPilotError
 
 
@@ -37,10 +44,9 @@ def run_batched(args: argparse.Namespace) -> int:
 
     if args.resume:
         raise SpecPilotError("--resume is for --mode single; batched runs are one stream each.")
-    if args.segment_tokens < 1:
-        raise SpecPilotError(f"--segment-tokens must be at least 1, got {args.segment_tokens}.")
     levels = parse_concurrency(args.concurrency)
     dep = build_deployment(args)
+    segment_tokens = resolve_segment_tokens(dep.build.config, args.segment_tokens)
     tok = dep.target.tokenizer
     assert tok is not None
     prompts = load_prompt_set(args.prompts, args.limit)
@@ -52,14 +58,13 @@ def run_batched(args: argparse.Namespace) -> int:
     def schedulers(c: int) -> dict[str, BatchScheduler]:
         b = dep.build
         return {
-            "ar": b.stock_scheduler(c, args.segment_tokens, max_context),
-            "spec": b.scheduler(c, args.segment_tokens, max_context),
+            "ar": b.stock_scheduler(c, segment_tokens, max_context),
+            "spec": b.scheduler(c, segment_tokens, max_context),
         }
 
     # Warm-up: a few short requests through each engine, outside the timings.
-    warm = [Request(f"warm{i}", tuple(encoded[0][1][-16:]), 8, eos) for i in range(2)]
     for sched in schedulers(min(levels)).values():
-        sched.run(warm)
+        warm_up_scheduler(sched, encoded[0][1], eos)
 
     console = Console(stderr=True)
     runs: list[tuple[BatchedRun, BatchedRun]] = []
@@ -69,15 +74,7 @@ def run_batched(args: argparse.Namespace) -> int:
     with Progress(*columns, console=console, transient=True) as progress:
         for c in levels:
             n = args.requests or 2 * c
-            reqs = [
-                Request(
-                    f"{encoded[i % len(encoded)][0]}#{i}",
-                    tuple(encoded[i % len(encoded)][1]),
-                    args.max_new_tokens,
-                    eos,
-                )
-                for i in range(n)
-            ]
+            reqs = request_stream(encoded, n, args.max_new_tokens, eos)
             arrivals = poisson_arrivals(n, args.arrival_rate, args.seed)
             pair = []
             for name, sched in schedulers(c).items():
@@ -100,7 +97,7 @@ def run_batched(args: argparse.Namespace) -> int:
         "prompt_set": args.prompts,
         "max_new_tokens": args.max_new_tokens,
         "arrival_rate": args.arrival_rate,
-        "segment_tokens": args.segment_tokens,
+        "segment_tokens": segment_tokens,
         "mechanisms": dict(dep.build.config.mechanisms),
         "levels": [_level(ar, spec) for ar, spec in runs],
         "identical_to_ar": f"{identical}/{len(spec_records)}",

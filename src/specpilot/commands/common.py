@@ -132,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_model=args.draft_model,
         dtype=args.dtype,
         device=args.device,
-        mode=getattr(args, "mode", "single"),
+        mode=getattr(args, "mode", None) or "single",
     )
     return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
 

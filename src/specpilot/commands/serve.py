@@ -55,8 +55,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--segment-tokens",
         type=int,
-        default=256,
-        help="prompt tokens a newly admitted request feeds per step (default: %(default)s)",
+        default=None,
+        help="prompt tokens a newly admitted request feeds per step (default: the engine "
+        "config's segment_tokens, else 256)",
     )
     add_engine_args(p)
 
@@ -64,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.audit_rate <= 1.0:
         raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
-    if args.max_concurrency < 1 or args.segment_tokens < 1:
+    if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
         raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     try:
         import uvicorn
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:
+    from specpilot.engine.config import resolve_segment_tokens
     from specpilot.serve.app import ServeSettings, create_app
     from specpilot.serve.metrics import ServerMetrics
     from specpilot.serve.worker import EngineWorker
@@ -91,6 +93,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             f"serve runs the continuous-batching scheduler, which verifies chains; remove "
             f"the '{dep.build.strategy.name}' verify strategy from the engine config."
         )
+    dep.build.check_scheduler()
     _, engine = dep.engines()
     worker = EngineWorker(
         engine,
@@ -99,7 +102,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         ServerMetrics(),
         audit_rate=args.audit_rate,
         slots=args.max_concurrency,
-        segment_tokens=args.segment_tokens,
+        segment_tokens=resolve_segment_tokens(dep.build.config, args.segment_tokens),
         block_policy=dep.build.block_policy,
     )
     settings = ServeSettings(

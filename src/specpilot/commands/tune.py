@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.common import add_engine_args, config_from_args
+from specpilot.engine.config import EngineConfig
 from specpilot.errors import SpecPilotError
 from specpilot.loading.fetch import cache_dir
+
+if TYPE_CHECKING:
+    from specpilot.tune.evaluate_batched import BatchedStream
 
 
 def default_memory() -> Path:
@@ -111,6 +116,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="order directions by a measured profile of the stock engine (default) or a fixed order",
     )
     p.add_argument("--seed", type=int, default=0)
+    b = p.add_argument_group("batched mode (continuous batching, docs/TUNE.md 'Batched mode')")
+    b.add_argument(
+        "--mode",
+        choices=["single", "batched"],
+        default=None,
+        help="single: candidates generate one prompt at a time; batched: they serve a request "
+        "stream through the continuous-batching scheduler (default: the engine config's, else "
+        "single)",
+    )
+    b.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="batched: scheduler slots, requests decoded together (default: %(default)s)",
+    )
+    b.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="batched: requests in the stream, tuning prompts cycled (default: 2 x concurrency)",
+    )
     add_engine_args(p)
 
 
@@ -120,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.bench.prompts import load_prompt_set
     from specpilot.memory import MemoryStore, fingerprint_deployment
     from specpilot.runtime import parse_device
+    from specpilot.tune.evaluate_batched import BatchedStream
     from specpilot.tune.executors import Executor, LocalExecutor, RayExecutor
     from specpilot.tune.loop import STATIC_GAP_ORDER, TuneLoop, TuneSettings
     from specpilot.tune.report import write_report
@@ -129,30 +156,42 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = config_from_args(args)
+    if args.mode is not None and args.mode != base.deployment.mode:
+        base = dataclasses.replace(
+            base, deployment=dataclasses.replace(base.deployment, mode=args.mode)
+        )
     dep = base.deployment
     device = parse_device(dep.device)
+    batched = dep.mode == "batched"
+    stream = BatchedStream(args.concurrency, args.requests) if batched else None
     executor: Executor
     prompts_spec = load_prompt_set(args.prompts, args.limit)
     from specpilot.loading import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model(dep.target))
     prompts = [tok.apply_chat_template(p.messages) for p in prompts_spec]
+    what = "stock AR"
+    if stream is not None:
+        what = (
+            f"batched AR ({stream.size} requests at concurrency {stream.concurrency}, "
+            "continuous-batching scheduler)"
+        )
     print(
         f"tuning {dep.target} with {dep.drafter} on {device} ({dep.dtype}, {dep.mode}); "
-        f"{len(prompts)} prompts; loading and measuring stock AR ...",
+        f"{len(prompts)} prompts; loading and measuring {what} ...",
         flush=True,
     )
     if args.executor == "ray":
         try:
             executor = RayExecutor(
-                base, prompts, args.max_new_tokens, args.ray_address, args.workers
+                base, prompts, args.max_new_tokens, args.ray_address, args.workers, stream
             )
         except ImportError:
             raise SpecPilotError(
                 "--executor ray needs Ray: pip install 'specpilot[tune]'."
             ) from None
     else:
-        executor = LocalExecutor(base, prompts, args.max_new_tokens)
+        executor = LocalExecutor(base, prompts, args.max_new_tokens, stream)
     arch, num_layers = "llama", None
     if isinstance(executor, LocalExecutor):
         arch = executor.evaluator.stock.model.cfg.arch
@@ -162,13 +201,20 @@ def run(args: argparse.Namespace) -> int:
     )
     label = f"{dep.target} · {dep.drafter} · {fp.device_name} · {dep.dtype} · {dep.mode}"
     print(
-        f"[{time.perf_counter() - started:.0f}s] loaded; stock AR {executor.ar_tok_s:.1f} tok/s",
+        f"[{time.perf_counter() - started:.0f}s] loaded; "
+        f"{'batched AR' if batched else 'stock AR'} {executor.ar_tok_s:.1f} tok/s",
         flush=True,
     )
+    notes = batched_notes(base, stream, device.type, arch) if stream is not None else []
+    for line in notes:
+        print(line)
     gap_order: tuple[str, ...] = STATIC_GAP_ORDER
-    reserve = compare_reserve_s(args.compare_limit, args.max_new_tokens, executor.ar_tok_s)
+    compare_limit = 0 if batched else args.compare_limit  # compare runs one request at a time
+    reserve = compare_reserve_s(compare_limit, args.max_new_tokens, executor.ar_tok_s)
     left = args.budget - (time.perf_counter() - started) - reserve
-    if args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
+    if batched and args.rank_gaps == "profile":
+        print("gaps ranked in the static order (the cost-model profile runs one request at a time)")
+    elif args.rank_gaps == "profile" and isinstance(executor, LocalExecutor):
         if left < 0.6 * args.budget:  # a slow or busy machine: keep the time for the search
             print(f"only {max(left, 0):.0f}s left for the search: gaps ranked in the static order")
         else:
@@ -210,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
     base.save(stock)
-    report = write_report(outcome, label, device.type, args.out, tuned)
+    report = write_report(outcome, label, device.type, args.out, tuned, notes)
     print(
         f"tuned: {outcome.best.tok_s:.1f} tok/s, {outcome.best.speedup:.2f}x AR "
         f"({outcome.best.tok_s / outcome.stock.tok_s:.2f}x the stock speculative engine)"
@@ -218,6 +264,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"engine config: {tuned}\nreport: {report}")
     for r in outcome.reused:
         print(f"reused from memory: {r}")
+    if batched:
+        print(
+            f"check it on other prompts: specpilot bench --mode batched --engine {tuned} "
+            f"--concurrency {args.concurrency} --prompts {args.prompts}"
+        )
+        return 0
     if args.compare_limit <= 0:
         return 0
     held_out = len(load_prompt_set(args.prompts, args.limit + args.compare_limit)) - args.limit
@@ -245,6 +297,21 @@ def run(args: argparse.Namespace) -> int:
     rc = compare.run(cmp_args, target=loaded)
     print(f"[{time.perf_counter() - started:.0f}s] done")
     return rc
+
+
+def batched_notes(base: EngineConfig, stream: BatchedStream, device: str, arch: str) -> list[str]:
+    """What a batched tune measures, and the mechanisms it cannot measure (for log and report)."""
+    from specpilot.tune.space import skipped_mechanisms
+
+    lines = [
+        f"Mode: batched. Every candidate serves the same {stream.size} requests (tuning prompts "
+        f"cycled, all arriving at once) through the continuous-batching scheduler at concurrency "
+        f"{stream.concurrency}; tok/s = tokens of all requests over first arrival to last finish, "
+        "speedup = over batched AR on the same stream in the same process; every request's "
+        "output is token-forced."
+    ]
+    lines += [f"skipped: {s}" for s in skipped_mechanisms(base, device, arch)]
+    return lines
 
 
 def compare_reserve_s(prompts: int, max_new_tokens: int, ar_tok_s: float) -> float:

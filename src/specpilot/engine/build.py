@@ -56,11 +56,7 @@ class EngineBuild:
         self, slots: int, segment_tokens: int = 256, max_context: int | None = None
     ) -> BatchScheduler:
         """The continuous-batching scheduler over the same target, drafter and mechanisms."""
-        if self.strategy is not None:
-            raise SpecPilotError(
-                f"Batched mode verifies chains; the '{self.strategy.name}' verify strategy is "
-                "not supported there yet."
-            )
+        self.check_scheduler()
         return BatchScheduler(
             self.target.model,
             self.drafter,
@@ -70,6 +66,25 @@ class EngineBuild:
             block_policy=self.block_policy,
             verify_fn=self.verify_fn,
         )
+
+    def check_scheduler(self) -> None:
+        """Refuse a build the continuous-batching scheduler would run only in part: it verifies
+        chains and does not carry out the static engine's plug points, and ignoring an enabled
+        mechanism silently would misreport what was measured or served."""
+        if self.strategy is not None:
+            raise SpecPilotError(
+                f"Batched mode verifies chains; the '{self.strategy.name}' verify strategy is "
+                "not supported there yet."
+            )
+        if self.width_policy is not None or self.packed_bucket or self.tree_policy is not None:
+            from specpilot.mechanisms import MECHANISMS
+
+            static = [n for n in self.config.mechanisms if not MECHANISMS[n].runs_on("scheduler")]
+            names = ", ".join(static) or "a static-engine mechanism"
+            raise SpecPilotError(
+                f"The continuous-batching scheduler cannot run static-engine mechanisms ({names}); "
+                "remove them from the engine config or use the static engine's benches."
+            )
 
     def stock_scheduler(
         self, slots: int, segment_tokens: int = 256, max_context: int | None = None

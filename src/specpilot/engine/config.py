@@ -15,6 +15,8 @@ from typing import Any
 from specpilot.errors import SpecPilotError
 
 MODES = ("single", "batched")
+DEFAULT_SEGMENT_TOKENS = 256
+"""Prompt tokens a newly admitted request feeds per scheduler step when nothing says otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +47,16 @@ class EngineConfig:
     """Drafter-specific knobs, e.g. ``{"max_n": 3, "min_n": 1}`` for ngram."""
     mechanisms: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Enabled mechanisms by registry name, each with its knob values (defaults filled in)."""
+    segment_tokens: int | None = None
+    """Batched mode (continuous-batching scheduler): prompt tokens a newly admitted request feeds
+    per step (segment admission). None = the command's default (256); a ``--segment-tokens`` flag
+    given on the command line wins over it."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise SpecPilotError(f"k must be at least 0, got {self.k}.")
+        if self.segment_tokens is not None and self.segment_tokens < 1:
+            raise SpecPilotError(f"segment_tokens must be at least 1, got {self.segment_tokens}.")
         from specpilot.mechanisms import MECHANISMS
 
         for name, knobs in self.mechanisms.items():
@@ -63,7 +71,10 @@ class EngineConfig:
                 raise SpecPilotError(f"Engine config: {e}.") from None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        d = asdict(self)
+        if d["segment_tokens"] is None:  # unset: the JSON (and the config hash) stay as before
+            del d["segment_tokens"]
+        return json.dumps(d, indent=2)
 
     def save(self, path: Path) -> None:
         path.write_text(self.to_json() + "\n")
@@ -77,6 +88,9 @@ class EngineConfig:
                 k=int(d.get("k", 8)),
                 drafter_knobs=dict(d.get("drafter_knobs", {})),
                 mechanisms={str(n): dict(v) for n, v in d.get("mechanisms", {}).items()},
+                segment_tokens=(
+                    None if d.get("segment_tokens") is None else int(d["segment_tokens"])
+                ),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecPilotError(f"Engine config is malformed ({e}).") from None
@@ -88,3 +102,13 @@ class EngineConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise SpecPilotError(f"Cannot read engine config {path} ({e}).") from None
         return cls.from_dict(data)
+
+
+def resolve_segment_tokens(config: EngineConfig, flag: int | None) -> int:
+    """The scheduler's segment size: the command-line flag if given, else the engine config's,
+    else ``DEFAULT_SEGMENT_TOKENS``."""
+    value = flag if flag is not None else config.segment_tokens
+    value = DEFAULT_SEGMENT_TOKENS if value is None else value
+    if value < 1:
+        raise SpecPilotError(f"--segment-tokens must be at least 1, got {value}.")
+    return value

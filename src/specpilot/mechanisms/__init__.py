@@ -9,7 +9,14 @@ from __future__ import annotations
 from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
-from specpilot.mechanisms.registry import COMPONENTS, PLUG_POINTS, Applicability, Knob, Mechanism
+from specpilot.mechanisms.registry import (
+    COMPONENTS,
+    ENGINES,
+    PLUG_POINTS,
+    Applicability,
+    Knob,
+    Mechanism,
+)
 from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
 from specpilot.mechanisms.static_trees import RAGGED_TREES, STATIC_TREE_VERIFY
 from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
@@ -33,4 +40,12 @@ _ALL: tuple[Mechanism, ...] = (
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
 """Name → mechanism; built once at import, never mutated."""
 
-__all__ = ["COMPONENTS", "MECHANISMS", "PLUG_POINTS", "Applicability", "Knob", "Mechanism"]
+__all__ = [
+    "COMPONENTS",
+    "ENGINES",
+    "MECHANISMS",
+    "PLUG_POINTS",
+    "Applicability",
+    "Knob",
+    "Mechanism",
+]

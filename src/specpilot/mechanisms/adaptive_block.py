@@ -84,6 +84,7 @@ MECHANISM = Mechanism(
         Knob("alpha", 0.3, low=0.05, high=1.0, doc="EMA weight of the latest accepted length"),
         Knob("slack", 1.0, low=0.0, high=4.0, doc="tokens drafted beyond the expected accepted"),
     ),
+    engines=("scheduler",),
     applies=Applicability(drafters=("ngram", "draft-model"), modes=("batched",)),
     summary="Per-request block length from an EMA of each request's accepted length (batched)",
 )

@@ -47,6 +47,7 @@ MECHANISM = Mechanism(
         Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
         Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
     ),
+    engines=("static",),
     applies=Applicability(modes=("batched",)),
     summary="Per-request draft length from each row's acceptance (static batched engine)",
 )

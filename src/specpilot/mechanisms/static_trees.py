@@ -80,6 +80,7 @@ STATIC_TREE_VERIFY = Mechanism(
     lossless=LOSSLESS,
     apply=_apply_fixed,
     knobs=TREE_KNOBS,
+    engines=("static",),
     applies=Applicability(drafters=("block",)),
     summary="Static engine: verify a draft tree from the block drafter's top-k in one graph",
 )
@@ -97,6 +98,7 @@ RAGGED_TREES = Mechanism(
         Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
         Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
     ),
+    engines=("static",),
     applies=Applicability(drafters=("block",), modes=("batched",)),
     summary="Static batched engine: a chain for confident rows, a wider tree for uncertain ones",
 )

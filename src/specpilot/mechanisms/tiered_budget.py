@@ -53,6 +53,7 @@ MECHANISM = Mechanism(
         Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
         Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
     ),
+    engines=("static",),
     applies=Applicability(modes=("batched",)),
     summary="Divide a per-cycle verify-token budget among rows by expected accepted tokens",
 )

@@ -191,6 +191,7 @@ MECHANISM = Mechanism(
         Knob("branch", 2, low=1, high=8, doc="children proposed per expanded node (top-k)"),
         Knob("max_nodes", 24, low=1, high=64, doc="total nodes per tree (verify feeds 1 + nodes)"),
     ),
+    engines=("eager",),
     applies=Applicability(drafters=("ngram", "draft-model")),
     summary="Verify a draft tree in one forward (tree mask), commit its longest accepted path",
 )

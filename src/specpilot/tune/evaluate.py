@@ -16,7 +16,7 @@ from specpilot.bench.runner import synchronize, timed_generate, warm_up
 from specpilot.engine import AcceptanceStats, SpecEngine
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
-from specpilot.forcing import force_tokens
+from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.runtime import LoadedModel, load_model, parse_device, parse_dtype
 
 
@@ -45,6 +45,24 @@ class TrialResult:
             "phase_seconds": self.phase_seconds,
             "error": self.error,
         }
+
+
+def forcing_summary(report: ForcingReport) -> dict[str, Any]:
+    """The gate's verdict as stored with a trial: counts, and the first mismatch if any."""
+    first = report.first_mismatch()
+    forcing: dict[str, Any] = {
+        "matches": report.matches,
+        "near_ties": report.near_ties,
+        "mismatches": report.mismatches,
+    }
+    if first is not None:
+        forcing["first_mismatch"] = {
+            "sequence": first[0],
+            "position": first[1].position,
+            "token": first[1].token,
+            "top5": first[1].top5,
+        }
+    return forcing
 
 
 class Evaluator:
@@ -96,19 +114,7 @@ class Evaluator:
             records.append((str(i), p, res.tokens))
         synchronize(self.device)
         report = force_tokens(self.stock.model, records)
-        first = report.first_mismatch()
-        forcing: dict[str, Any] = {
-            "matches": report.matches,
-            "near_ties": report.near_ties,
-            "mismatches": report.mismatches,
-        }
-        if first is not None:
-            forcing["first_mismatch"] = {
-                "sequence": first[0],
-                "position": first[1].position,
-                "token": first[1].token,
-                "top5": first[1].top5,
-            }
+        forcing = forcing_summary(report)
         tok_s = tokens / seconds
         wall = time.perf_counter() - t0
         times = engine.times

@@ -12,6 +12,20 @@ from typing import Any, Protocol
 
 from specpilot.engine.config import EngineConfig
 from specpilot.tune.evaluate import Evaluator, TrialResult
+from specpilot.tune.evaluate_batched import BatchedEvaluator, BatchedStream
+
+
+def make_evaluator(
+    base: EngineConfig,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    stream: BatchedStream | None = None,
+) -> Evaluator:
+    """The evaluator of the deployment's mode: one request at a time (``single``), or a request
+    stream through the continuous-batching scheduler (``batched``; ``stream`` or its defaults)."""
+    if base.deployment.mode == "batched":
+        return BatchedEvaluator(base, prompts, max_new_tokens, stream or BatchedStream())
+    return Evaluator(base, prompts, max_new_tokens)
 
 
 class Executor(Protocol):
@@ -27,9 +41,13 @@ class LocalExecutor:
     """Candidates evaluated at once (the loop checks its budget between such chunks)."""
 
     def __init__(
-        self, base: EngineConfig, prompts: Sequence[list[int]], max_new_tokens: int
+        self,
+        base: EngineConfig,
+        prompts: Sequence[list[int]],
+        max_new_tokens: int,
+        stream: BatchedStream | None = None,
     ) -> None:
-        self.evaluator = Evaluator(base, prompts, max_new_tokens)
+        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream)
         self.ar_tok_s = self.evaluator.ar_tok_s
 
     def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
@@ -49,6 +67,7 @@ class RayExecutor:
         max_new_tokens: int,
         address: str | None = None,
         workers: int | None = None,
+        stream: BatchedStream | None = None,
     ) -> None:
         import ray
 
@@ -64,7 +83,9 @@ class RayExecutor:
         actor_cls: Any = (
             ray.remote(num_gpus=1)(_EvalActor) if gpus else ray.remote(num_cpus=1)(_EvalActor)
         )
-        self._actors = [actor_cls.remote(base, list(prompts), max_new_tokens) for _ in range(n)]
+        self._actors = [
+            actor_cls.remote(base, list(prompts), max_new_tokens, stream) for _ in range(n)
+        ]
         self._ray = ray
         self.width = n
         """Candidates evaluated at once (the loop checks its budget between such chunks)."""
@@ -82,11 +103,17 @@ class RayExecutor:
 
 
 class _EvalActor:
-    def __init__(self, base: EngineConfig, prompts: list[list[int]], max_new_tokens: int) -> None:
+    def __init__(
+        self,
+        base: EngineConfig,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stream: BatchedStream | None,
+    ) -> None:
         import torch
 
         torch.set_num_threads(1)
-        self.evaluator = Evaluator(base, prompts, max_new_tokens)
+        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream)
 
     def ar_tok_s(self) -> float:
         return self.evaluator.ar_tok_s

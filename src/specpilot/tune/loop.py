@@ -325,6 +325,13 @@ def _with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
         dep = dataclasses.replace(dep, drafter="draft-model", draft_model=None)
     elif cfg.deployment.drafter != dep.drafter:
         raise ValueError("the remembered config uses another drafter")
+    from specpilot.mechanisms import MECHANISMS
+    from specpilot.tune.space import measured_engine
+
+    engine = measured_engine(dep.mode)
+    if any(not MECHANISMS[n].runs_on(engine) for n in cfg.mechanisms):
+        # e.g. a single-mode tree-verify config offered to a batched tune: not measurable here
+        raise ValueError(f"the remembered config has a mechanism the {engine} engine cannot run")
     return dataclasses.replace(cfg, deployment=dep)
 
 

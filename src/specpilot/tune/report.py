@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,15 @@ def per_token_phases(r: TrialResult) -> dict[str, float]:
 
 
 def write_report(
-    outcome: TuneOutcome, label: str, device: str, out_dir: Path, tuned_path: Path
+    outcome: TuneOutcome,
+    label: str,
+    device: str,
+    out_dir: Path,
+    tuned_path: Path,
+    notes: Sequence[str] = (),
 ) -> Path:
+    """``notes``: what the tune measured and what it left out (e.g. a batched tune's stream and
+    the mechanisms its engine cannot carry out), listed under "Scope"."""
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = _charts(outcome, out_dir)
     stock, best = outcome.stock, outcome.best
@@ -60,6 +68,8 @@ def write_report(
             else "never (no gain)."
         ),
     ]
+    if notes:
+        lines += ["", "## Scope", *[f"- {n}" for n in notes]]
     if outcome.reused:
         lines += ["", "## Reused from memory", *[f"- {r}" for r in outcome.reused]]
     lines += [
@@ -121,24 +131,26 @@ def _charts(outcome: TuneOutcome, out_dir: Path) -> list[str]:
             "search wall time (s)",
         )
     )
-    # Cycle breakdown per generated token, stock vs tuned.
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, r in enumerate((outcome.stock, outcome.best)):
-        left = 0.0
-        for j, (phase, ms) in enumerate(sorted(per_token_phases(r).items())):
-            ax.barh(i, ms, left=left, color=f"C{j}", label=phase if i == 0 else None)
-            left += ms
-    ax.set_yticks([0, 1], ["stock", "tuned"])
-    names.append(
-        _finish(
-            plt,
-            fig,
-            ax,
-            out_dir / "cycle_breakdown.png",
-            "where the time goes",
-            "ms per generated token",
+    # Cycle breakdown per generated token, stock vs tuned (absent where the engine measured
+    # has no phase timers: the continuous-batching scheduler of a batched tune).
+    if per_token_phases(outcome.stock) or per_token_phases(outcome.best):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for i, r in enumerate((outcome.stock, outcome.best)):
+            left = 0.0
+            for j, (phase, ms) in enumerate(sorted(per_token_phases(r).items())):
+                ax.barh(i, ms, left=left, color=f"C{j}", label=phase if i == 0 else None)
+                left += ms
+        ax.set_yticks([0, 1], ["stock", "tuned"])
+        names.append(
+            _finish(
+                plt,
+                fig,
+                ax,
+                out_dir / "cycle_breakdown.png",
+                "where the time goes",
+                "ms per generated token",
+            )
         )
-    )
     # Acceptance by draft position.
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, r in (("stock", outcome.stock), ("tuned", outcome.best)):

@@ -14,8 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specpilot.engine.config import EngineConfig
-from specpilot.mechanisms import MECHANISMS, Knob
+from specpilot.engine.config import DEFAULT_SEGMENT_TOKENS, EngineConfig
+from specpilot.mechanisms import MECHANISMS, Knob, Mechanism
+
+SEGMENT_CHOICES = (16, 32, 64, 128, 256, 512)
+"""Segment sizes tried in batched mode (prompt tokens a newly admitted request feeds per step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,40 @@ def _with_early_exit(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     )
 
 
+def _with_segment(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    seg = int(p["segment_tokens"])
+    return dataclasses.replace(base, segment_tokens=None if seg == DEFAULT_SEGMENT_TOKENS else seg)
+
+
+def measured_engine(mode: str) -> str:
+    """The engine (``mechanisms.ENGINES``) a tune of this mode measures candidates on."""
+    return "scheduler" if mode == "batched" else "eager"
+
+
+def skipped_mechanisms(base: EngineConfig, device: str, arch: str) -> list[str]:
+    """Registered mechanisms meant for this deployment's mode, device, dtype and model that the
+    engine this tune measures does not carry out (so a trial could not measure them), each with
+    the reason; the tune skips them and the report lists them."""
+    dep, engine = base.deployment, measured_engine(base.deployment.mode)
+    out = []
+    for name, mech in sorted(MECHANISMS.items()):
+        any_drafter = dataclasses.replace(mech.applies, drafters=())
+        if not any_drafter.allows(device, dep.dtype, dep.drafter, dep.mode, arch):
+            continue
+        if not mech.runs_on(engine):
+            out.append(f"{name}: {_skip_reason(mech, engine)}")
+    return out
+
+
+def _skip_reason(mech: Mechanism, engine: str) -> str:
+    where = " or ".join(mech.engines)
+    needs = f", with the {'/'.join(mech.applies.drafters)} drafter" if mech.applies.drafters else ""
+    return (
+        f"carried out only by the {where} engine{needs}; the {engine} engine this tune measures "
+        "would ignore or refuse it, so it is not searched here"
+    )
+
+
 def early_exit_layers(num_layers: int) -> tuple[int, ...]:
     """Candidate exit depths: about 1/4, 2/5, 8/15 and 2/3 of the target's layers."""
     fracs = (1 / 4, 2 / 5, 8 / 15, 2 / 3)
@@ -73,7 +110,9 @@ def directions_for(
 ) -> list[Direction]:
     """Every direction that applies to the deployment of ``base``. Given the target's
     ``num_layers``, an n-gram deployment without a draft model also gets the early-exit draft
-    model (the same-tokenizer drafter that is always on hand) as a direction."""
+    model (the same-tokenizer drafter that is always on hand) as a direction. In batched mode the
+    scheduler's segment size is a direction too, and only mechanisms the scheduler carries out
+    are searched (``skipped_mechanisms`` lists the others)."""
     dep = base.deployment
     out: list[Direction] = []
     if dep.drafter != "none":
@@ -111,9 +150,19 @@ def directions_for(
                 _with_early_exit,
             )
         )
-    drafter = dep.drafter
+    if dep.mode == "batched" and dep.drafter != "none":
+        seg = base.segment_tokens or DEFAULT_SEGMENT_TOKENS
+        out.append(
+            Direction(
+                "segment-tokens",
+                ("verify", "overhead"),
+                (Knob("segment_tokens", seg, choices=tuple(sorted({*SEGMENT_CHOICES, seg}))),),
+                _with_segment,
+            )
+        )
+    drafter, engine = dep.drafter, measured_engine(dep.mode)
     for name, mech in sorted(MECHANISMS.items()):
-        if mech.applies.allows(device, dep.dtype, drafter, dep.mode, arch):
+        if mech.applies.allows(device, dep.dtype, drafter, dep.mode, arch) and mech.runs_on(engine):
             out.append(_mechanism_direction(name))
     return out
 
@@ -122,6 +171,8 @@ def describe(cfg: EngineConfig) -> str:
     """A short label for reports: k, drafter knobs, mechanisms."""
     parts = [f"k={cfg.k}"]
     parts += [f"{k}={v}" for k, v in sorted(cfg.drafter_knobs.items())]
+    if cfg.segment_tokens is not None:
+        parts.append(f"segment_tokens={cfg.segment_tokens}")
     parts += [
         f"+{n}" + (json.dumps(v, separators=(",", ":")) if v else "")
         for n, v in sorted(cfg.mechanisms.items())
