@@ -127,6 +127,29 @@ def test_segment_admission_keeps_running_decodes_going():
     assert results["short"].tokens == single_ar(target, short)
 
 
+def test_a_lone_request_runs_one_row_not_every_slot():
+    """Slots above the highest occupied one do not run: a single request in a 4-slot scheduler
+    costs a one-row forward, and a second request (lowest free slot) makes it two rows."""
+    cfg = tiny_config(vocab=67)
+    target = tiny_model(cfg, 3)
+    rng = random.Random(4)
+    a = Request("a", tuple(repetitive_prompt(rng, 67, 6)), 12)
+    b = Request("b", tuple(repetitive_prompt(rng, 67, 6)), 12)
+    sched = BatchScheduler(target, NgramDrafter(k=3), slots=4, segment_tokens=8)
+    sched.submit(a)
+    assert sched.step().forward_tokens == 6  # one row: its 6-token prompt
+    widths = [sched.step().forward_tokens for _ in range(3)]
+    assert all(w <= 4 for w in widths)  # one row: pending + at most 3 drafts
+    sched.submit(b)
+    assert sched.step().forward_tokens == 2 * 6  # two rows, padded to b's prompt
+    results = {}
+    while sched.has_work:
+        for res in sched.step().finished:
+            results[res.id] = res
+    assert results["a"].tokens == single_ar(target, a)
+    assert results["b"].tokens == single_ar(target, b)
+
+
 def test_a_faulty_verifier_is_caught():
     """Accepting every drafted token commits tokens AR would not: the equality test can fail."""
 

@@ -53,6 +53,14 @@ class KVCache:
             raise ValueError(f"length {length} outside the cache (0..{self.max_seq_len})")
         self.lengths[row] = length
 
+    def rows(self, n: int) -> KVCache:
+        """A view of the first ``n`` sequences: same storage, same ``lengths`` storage."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"rows must be in 1..{self.batch_size}, got {n}")
+        return KVCache(
+            k=[t[:n] for t in self.k], v=[t[:n] for t in self.v], lengths=self.lengths[:n]
+        )
+
     def reset(self) -> None:
         self.lengths.zero_()
 

@@ -7,8 +7,9 @@ Each slot holds one request. Per step (one target forward for every slot at once
    block length (``BlockPolicy``) and never past its own remaining budget;
 3. **forward** — one ragged forward: a decoding row feeds ``[pending, d_1..d_n]``, a row still in
    prefill feeds the next ``segment_tokens`` of its prompt (segment admission: a long prompt is
-   spread over several steps so running decodes keep committing every step), a free slot feeds
-   one dummy token; rows are padded to the widest, and every row attends only to its own KV
+   spread over several steps so running decodes keep committing every step), a free slot below
+   the highest occupied one feeds one dummy token (slots above it do not run: requests take the
+   lowest free slot); rows are padded to the widest, and every row attends only to its own KV
    (``Transformer.forward`` with per-row start lengths);
 4. **accept/commit** — ``greedy_verify`` over all rows; a decoding row commits its accepted
    drafts plus the bonus token, a row whose last prompt segment went in commits the target's
@@ -169,7 +170,11 @@ class BatchScheduler:
         if self.running == 0:
             return report
         inputs, drafts = self._inputs()
-        target, dev, b = self.target, self.target.device, self.num_slots
+        # Only the slots up to the highest occupied one run (requests take the lowest free slot),
+        # so a lone request costs a one-row forward, not a forward over every slot.
+        b = 1 + max(row for row, s in enumerate(self._slots) if s is not None)
+        inputs, drafts, cache = inputs[:b], drafts[:b], self.cache.rows(b)
+        target, dev = self.target, self.target.device
         width = max(len(x) for x in inputs)
         r = 1 + max((len(d) for d in drafts), default=0)  # argmax rows per slot
         tokens = torch.zeros(b, width, dtype=torch.int64)  # [B, T]
@@ -183,19 +188,19 @@ class BatchScheduler:
                 rows[row] = torch.arange(r).clamp(max=len(seq) - 1)
             else:  # a prefill row: the argmax after its last token (the first new token)
                 rows[row] = len(seq) - 1
-        start = self.cache.lengths.to(dev)
+        start = cache.lengths.to(dev)
         # Padding past a row's own tokens may run past the RoPE table; its K/V is never read.
         positions = (start[:, None] + torch.arange(width, device=dev)).clamp(
             max=target.max_positions - 1
         )  # [B, T]
         argmax = target.forward_argmax(
-            tokens.to(dev), self.cache, positions=positions, logits_rows=rows.to(dev)
+            tokens.to(dev), cache, positions=positions, logits_rows=rows.to(dev)
         )  # [B, R]
         lens = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=dev)
         outcome = self.verify_fn(draft_t.to(dev), lens, argmax)
         accepted, bonus = outcome.accepted_len.tolist(), outcome.bonus.tolist()
         report.forward_tokens = b * width
-        for row, slot in enumerate(self._slots):
+        for row, slot in enumerate(self._slots[:b]):
             if slot is None:
                 continue
             if slot.decoding:
