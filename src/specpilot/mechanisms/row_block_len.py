@@ -13,26 +13,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from specpilot.engine.widths import RowBlockLength
-from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
-from specpilot.mechanisms.tiered_budget import LOSSLESS
+from specpilot.mechanisms.tiered_budget import EMA_KNOBS, LOSSLESS, install_width_policy
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
 
 
 def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
-    if build.width_policy is not None:
-        raise SpecPilotError(
-            f"Enable only one width policy; '{build.width_policy.name}' is already enabled."
-        )
-    build.width_policy = RowBlockLength(
+    policy = RowBlockLength(
         threshold=float(knobs["threshold"]),
         decay=float(knobs["decay"]),
         prior=float(knobs["prior"]),
         min_draft=int(knobs["min_draft"]),
     )
-    build.packed_bucket = build.packed_bucket or 16
+    install_width_policy(build, policy)
 
 
 MECHANISM = Mechanism(
@@ -43,9 +38,7 @@ MECHANISM = Mechanism(
     apply=_apply,
     knobs=(
         Knob("threshold", 0.3, low=0.0, high=1.0, doc="verify position j while P(reach j) >= this"),
-        Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
-        Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
-        Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
+        *EMA_KNOBS,
     ),
     engines=("static",),
     applies=Applicability(modes=("batched",)),

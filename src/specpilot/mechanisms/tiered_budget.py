@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from specpilot.engine.widths import TieredBudget
+from specpilot.engine.widths import TieredBudget, WidthPolicy
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
@@ -27,18 +27,32 @@ LOSSLESS = (
 )
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+EMA_KNOBS = (
+    Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
+    Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
+    Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
+)
+"""Knobs of the per-row, per-position acceptance average that every width policy keeps."""
+
+
+def install_width_policy(build: EngineBuild, policy: WidthPolicy) -> None:
+    """Give the static engine its (single) width policy and a packed verify to carry it."""
     if build.width_policy is not None:
         raise SpecPilotError(
             f"Enable only one width policy; '{build.width_policy.name}' is already enabled."
         )
-    build.width_policy = TieredBudget(
+    build.width_policy = policy
+    build.packed_bucket = build.packed_bucket or 16
+
+
+def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    policy = TieredBudget(
         budget=float(knobs["budget"]),
         decay=float(knobs["decay"]),
         prior=float(knobs["prior"]),
         min_draft=int(knobs["min_draft"]),
     )
-    build.packed_bucket = build.packed_bucket or 16
+    install_width_policy(build, policy)
 
 
 MECHANISM = Mechanism(
@@ -49,9 +63,7 @@ MECHANISM = Mechanism(
     apply=_apply,
     knobs=(
         Knob("budget", 6.0, low=1.0, high=32.0, doc="verify tokens per active row per cycle"),
-        Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
-        Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
-        Knob("min_draft", 1, low=0, high=16, doc="drafts every row verifies regardless"),
+        *EMA_KNOBS,
     ),
     engines=("static",),
     applies=Applicability(modes=("batched",)),
