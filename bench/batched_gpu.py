@@ -27,9 +27,7 @@ its rows (B, 2B, 4B, 8B, 16B rows; graph replays, median) at each concurrency. J
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import random
 import time
 from collections.abc import Callable
@@ -38,7 +36,13 @@ from typing import Any
 
 import torch
 
-from specpilot.bench.static_runs import check_rows, run_twice
+from specpilot.bench.static_runs import (
+    add_simulation_options,
+    check_rows,
+    run_header,
+    run_twice,
+    simulation_label,
+)
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.widths import FixedWidths, RowBlockLength, TieredBudget, WidthPolicy
@@ -58,16 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no concurrency after")
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--steady",
-        action="store_true",
-        help="time the window in which every row decodes (until the first row is done)",
-    )
-    ap.add_argument(
-        "--peaked",
-        action="store_true",
-        help="peaked random target (synthetic.make_peaked): clear top-1 margins, no bf16 near-ties",
-    )
+    add_simulation_options(ap)
     args = ap.parse_args(argv)
     t = args.tiny
     args.concurrency = args.concurrency or ("2,3" if t else "16,20,24")
@@ -106,18 +101,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profiles = [AcceptanceProfile.constant(tau, block.k) for tau in taus]
     label = (
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL}, per-row τ cycling "
-        f"{{{', '.join(f'{x:g}' for x in taus)}}} at block {bsize}"
-        + (" · peaked random target" if args.peaked else "")
-        + (" · steady-state window (until the first row is done)" if args.steady else "")
+        f"{{{', '.join(f'{x:g}' for x in taus)}}} at block {bsize}" + simulation_label(args)
     )
     result: dict[str, Any] = {
-        "label": label,
-        "date": datetime.date.today().isoformat(),
-        "machine": {
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
-            "torch": torch.__version__,
-        },
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        **run_header(label, args, dev),
         "runs": [],
     }
     rng = random.Random(args.seed)

@@ -28,9 +28,7 @@ Each engine runs once to warm up (graph capture) and once timed. JSON goes to
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import random
 import time
 from pathlib import Path
@@ -38,7 +36,13 @@ from typing import Any
 
 import torch
 
-from specpilot.bench.static_runs import check_rows, run_twice
+from specpilot.bench.static_runs import (
+    add_simulation_options,
+    check_rows,
+    run_header,
+    run_twice,
+    simulation_label,
+)
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
@@ -61,16 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=None, help="replays per verify-cost point")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip part c after this")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument(
-        "--steady",
-        action="store_true",
-        help="time the window in which every row decodes (until the first row is done)",
-    )
-    ap.add_argument(
-        "--peaked",
-        action="store_true",
-        help="peaked random target (synthetic.make_peaked): clear top-1 margins, no bf16 near-ties",
-    )
+    add_simulation_options(ap)
     args = ap.parse_args(argv)
     t = args.tiny
     args.profile = args.profile or ("tau=3,block=9" if t else "tau=5,block=16")
@@ -137,18 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile = AcceptanceProfile.parse(args.profile)
     label = (
         f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL} "
-        f"(chain profile {args.profile}, p_sibling {args.p_sibling:g})"
-        + (" · peaked random target" if args.peaked else "")
-        + (" · steady-state window (until the first row is done)" if args.steady else "")
+        f"(chain profile {args.profile}, p_sibling {args.p_sibling:g})" + simulation_label(args)
     )
     result: dict[str, Any] = {
-        "label": label,
-        "date": datetime.date.today().isoformat(),
-        "machine": {
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.machine(),
-            "torch": torch.__version__,
-        },
-        "args": {key: (str(v) if isinstance(v, Path) else v) for key, v in vars(args).items()},
+        **run_header(label, args, dev),
         "verify_cost": [],
         "runs": [],
     }

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import platform
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from specpilot.engine.loop import GenerationResult
 from specpilot.engine.static_engine import StaticEngine
@@ -41,3 +47,35 @@ def check_rows(
     else:
         out.update(near_ties=0, mismatches=0, forcing=True)
     return out
+
+
+def add_simulation_options(ap: argparse.ArgumentParser) -> None:
+    """``--steady`` and ``--peaked``: the two simulation fixes of the batched GPU benches."""
+    ap.add_argument(
+        "--steady",
+        action="store_true",
+        help="time the window in which every row decodes (until the first row is done)",
+    )
+    ap.add_argument(
+        "--peaked",
+        action="store_true",
+        help="peaked random target (synthetic.make_peaked): clear top-1 margins, no bf16 near-ties",
+    )
+
+
+def simulation_label(args: argparse.Namespace) -> str:
+    """What ``--peaked`` / ``--steady`` add to a run's label (empty when neither is on)."""
+    return (" · peaked random target" if args.peaked else "") + (
+        " · steady-state window (until the first row is done)" if args.steady else ""
+    )
+
+
+def run_header(label: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The label, date, machine and arguments every GPU bench JSON starts with."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
+    return {
+        "label": label,
+        "date": datetime.date.today().isoformat(),
+        "machine": {"device": name, "torch": torch.__version__},
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
