@@ -38,12 +38,13 @@ from specpilot.drafters.static_base import StaticDrafter
 from specpilot.engine.cuda_graphs import GraphRunner
 from specpilot.engine.device_state import DecodeState, accept_and_commit
 from specpilot.engine.loop import GenerationResult
-from specpilot.engine.static_tree import TreeBuffers, tree_accept_and_commit
+from specpilot.engine.static_steps import PackedSteps, TreeSteps
+from specpilot.engine.static_tree import TreeBuffers
 from specpilot.engine.tree_policy import TreePolicy
 from specpilot.engine.widths import FixedWidths, WidthPolicy
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
-from specpilot.models.packed_forward import PackedLayout, PackedVerify, bucket_rows
+from specpilot.models.packed_forward import PackedLayout, PackedVerify
 from specpilot.models.static_forward import StaticForward
 from specpilot.models.transformer import Transformer
 from specpilot.timing import time_call
@@ -81,7 +82,7 @@ class CycleTimes:
         }
 
 
-class StaticEngine:
+class StaticEngine(PackedSteps, TreeSteps):
     def __init__(
         self,
         target: Transformer,
@@ -225,78 +226,6 @@ class StaticEngine:
         assert self.state is not None
         hidden = self.k > 0 and k == self.k and self.verify_hidden is not None
         self.runner.run(("verify", k, attn_len, hidden), self._verify_fn(k, attn_len), self.state)
-
-    def _packed_verify_fn(self, rows: int, attn_len: int) -> Callable[[], None]:
-        st, cache, layout, k = self.state, self.cache, self.layout, self.k
-        assert st is not None and cache is not None and layout is not None and self.drafter
-        layers = self.drafter.hidden_layers if self.verify_hidden is not None else ()
-
-        def step() -> None:
-            st.draft_lens.copy_(layout.data[3, : st.batch_size])
-            block = torch.cat([st.pending[:, None], st.drafts[:, :k]], dim=1)  # [B, k+1]
-            self.packed(
-                block,
-                layout,
-                rows,
-                cache,
-                st.committed_len - 1,
-                attn_len,
-                st.verify_argmax,
-                layers,
-                self.verify_hidden,
-            )
-
-        return step
-
-    def _run_packed_verify(self, widths: list[int], attn_len: int) -> None:
-        assert self.state is not None and self.layout is not None
-        full = len(widths) * (self.k + 1)
-        rows = min(bucket_rows(sum(widths), self.packed_bucket), full)  # [M] real + padding
-        self.layout.fill(widths, rows)
-        self.rows_verified += rows
-        fn = self._packed_verify_fn(rows, attn_len)
-        self.runner.run(("packed_verify", rows, attn_len), fn, self.state)
-
-    def _tree_verify_fn(self, rows: int, attn_len: int) -> Callable[[], None]:
-        st, cache, layout, trees = self.state, self.cache, self.layout, self.trees
-        assert st is not None and cache is not None and layout is not None and trees is not None
-        layers = () if self.drafter is None else self.drafter.hidden_layers
-        layers = layers if trees.hidden is not None else ()
-
-        def step() -> None:
-            self.packed(
-                trees.tokens,
-                layout,
-                rows,
-                cache,
-                st.committed_len - 1,
-                attn_len,
-                trees.argmax,
-                layers,
-                trees.hidden,
-                depths=trees.topo[1],
-                visible=trees.visible,
-            )
-
-        return step
-
-    def _run_tree_verify(self, widths: list[int], attn_len: int) -> None:
-        assert self.state is not None and self.layout is not None
-        full = len(widths) * self.tree_width
-        rows = min(bucket_rows(sum(widths), self.packed_bucket), full)  # [M] real + padding
-        self.layout.fill(widths, rows)
-        self.rows_verified += rows
-        fn = self._tree_verify_fn(rows, attn_len)
-        self.runner.run(("tree_verify", rows, attn_len), fn, self.state)
-
-    def _run_tree_accept(self) -> None:
-        st, trees, cache, k = self.state, self.trees, self.cache, self.k
-        assert st is not None and trees is not None and cache is not None
-
-        def step() -> None:
-            tree_accept_and_commit(st, trees, cache, k, self.verify_hidden)
-
-        self.runner.run(("tree_accept",), step, st)
 
     def _run_tree_draft(self) -> None:
         assert self.drafter is not None and self.state is not None and self.trees is not None
@@ -588,44 +517,5 @@ class StaticEngine:
 
         def once() -> None:
             self.runner.run(("time", k, attn_len), fn, self.state)  # type: ignore[arg-type]
-
-        return time_call(once, self.device, iters, warmup=1)
-
-    @torch.inference_mode()
-    def time_tree_verify(self, iters: int = 20) -> float:
-        """Seconds per tree verify of the trees the policy gives every row now, at the current
-        committed state, by replaying its graph (median of 3 runs of ``iters``). Writes only
-        scratch: K/V past the committed length, the tree argmax."""
-        assert self.state is not None and self.trees is not None and self.tree_policy is not None
-        trees = self.tree_policy.trees([True] * self.state.batch_size)
-        self.trees.fill(trees)
-        widths = [1 + t.nodes for t in trees]
-        rows = min(bucket_rows(sum(widths), self.packed_bucket), len(widths) * self.tree_width)
-        assert self.layout is not None
-        self.layout.fill(widths, rows)
-        attn_len = self.bucket(max(self._dev_len) + self.tree_width)
-        fn = self._tree_verify_fn(rows, attn_len)
-
-        def once() -> None:
-            self.runner.run(("time_tree", rows, attn_len), fn, self.state)  # type: ignore[arg-type]
-
-        return time_call(once, self.device, iters, warmup=1)
-
-    @torch.inference_mode()
-    def time_packed_verify(self, rows: int, iters: int = 20) -> float:
-        """Seconds per packed verify of ``rows`` tokens spread evenly over the batch (capped at
-        ``k + 1`` per row) at the current committed state, by replaying its graph (median of 3
-        runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
-        assert self.state is not None and self.layout is not None
-        b, w = self.state.batch_size, self.k + 1
-        if not 1 <= rows <= b * w:
-            raise ValueError(f"rows must be in [1, {b * w}], got {rows}.")
-        widths = [min(w, rows // b + (1 if i < rows % b else 0)) for i in range(b)]
-        self.layout.fill(widths, rows)
-        attn_len = self.bucket(max(self._dev_len) + self.k)
-        fn = self._packed_verify_fn(rows, attn_len)
-
-        def once() -> None:
-            self.runner.run(("time_packed", rows, attn_len), fn, self.state)  # type: ignore[arg-type]
 
         return time_call(once, self.device, iters, warmup=1)
