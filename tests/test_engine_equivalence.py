@@ -179,3 +179,13 @@ def test_acceptance_stats_cover_only_drafted_positions():
     assert s.drafted == [2, 2, 1] and s.accepted == [1, 1, 1]
     assert s.acceptance_rates() == [0.5, 0.5, 1.0]
     assert s.accept_hist == [2, 0, 0, 1] and s.mean_accepted_len == 2.0
+
+
+def test_cut_at_stop_keeps_the_room_and_the_first_stop_token() -> None:
+    from specpilot.engine.verify import cut_at_stop
+
+    assert cut_at_stop([5, 6, 7], 10, {9}) == ([5, 6, 7], False)
+    assert cut_at_stop([5, 6, 7], 2, {9}) == ([5, 6], False)
+    assert cut_at_stop([5, 9, 7, 9], 10, {9}) == ([5, 9], True)
+    assert cut_at_stop([5, 6, 9], 2, {9}) == ([5, 6], False)  # the stop token is past the room
+    assert cut_at_stop([5, 6], 0, {9}) == ([], False)

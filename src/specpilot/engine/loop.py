@@ -22,7 +22,7 @@ from torch import Tensor
 from specpilot.drafters.base import Drafter
 from specpilot.engine.stats import AcceptanceStats
 from specpilot.engine.strategy import ChainStrategy, VerifyFn, VerifyStrategy
-from specpilot.engine.verify import greedy_verify
+from specpilot.engine.verify import cut_at_stop, greedy_verify
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.transformer import Transformer
@@ -194,13 +194,10 @@ class _Rows:
     def append(self, row: int, committed: list[int]) -> None:
         """Append committed tokens to a row, cutting at the first EOS or at the length limit."""
         res = self.results[row]
-        keep = committed[: self.max_new_tokens - len(res.tokens)]
-        for i, tok in enumerate(keep):
-            if tok in self.eos:
-                keep = keep[: i + 1]
-                res.stop_reason = "eos"
-                self.active[row] = False
-                break
+        keep, stopped = cut_at_stop(committed, self.max_new_tokens - len(res.tokens), self.eos)
+        if stopped:
+            res.stop_reason = "eos"
+            self.active[row] = False
         res.tokens.extend(keep)
         self.contexts[row].extend(keep)
         if len(res.tokens) >= self.max_new_tokens:

@@ -41,6 +41,7 @@ from specpilot.engine.loop import GenerationResult
 from specpilot.engine.static_steps import PackedSteps, TreeSteps
 from specpilot.engine.static_tree import TreeBuffers
 from specpilot.engine.tree_policy import TreePolicy
+from specpilot.engine.verify import cut_at_stop
 from specpilot.engine.widths import FixedWidths, WidthPolicy
 from specpilot.errors import PromptTooLongError
 from specpilot.models.kv_cache import KVCache
@@ -458,13 +459,10 @@ class StaticEngine(PackedSteps, TreeSteps):
         """Append to a row up to EOS or the limit; freeze the row on the device when it ends.
         Returns whether the row is still active."""
         res = results[row]
-        keep = toks[: max_new - len(res.tokens)]
-        for i, tok in enumerate(keep):
-            if tok in eos:
-                keep = keep[: i + 1]
-                res.stop_reason = "eos"
-                active[row] = False
-                break
+        keep, stopped = cut_at_stop(toks, max_new - len(res.tokens), eos)
+        if stopped:
+            res.stop_reason = "eos"
+            active[row] = False
         res.tokens.extend(keep)
         if len(res.tokens) >= max_new:
             active[row] = False

@@ -15,6 +15,7 @@ Decoding", specialised to greedy decoding):
 
 from __future__ import annotations
 
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,3 +40,15 @@ def greedy_verify(
     accepted_len = match.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
     bonus = target_argmax.gather(1, accepted_len[:, None]).squeeze(1)  # [B]
     return VerifyOutcome(accepted_len=accepted_len, bonus=bonus)
+
+
+def cut_at_stop(
+    committed: Sequence[int], room: int, stop_ids: Container[int]
+) -> tuple[list[int], bool]:
+    """What a row keeps of a cycle's committed tokens: at most ``room`` of them, up to and
+    including the first stop token. Returns ``(kept, stopped_at_a_stop_token)``."""
+    keep = list(committed[: max(room, 0)])
+    for i, tok in enumerate(keep):
+        if tok in stop_ids:
+            return keep[: i + 1], True
+    return keep, False

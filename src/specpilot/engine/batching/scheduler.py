@@ -34,7 +34,7 @@ from specpilot.drafters.base import Drafter, RowResettable
 from specpilot.engine.batching.block import BlockPolicy
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.strategy import VerifyFn
-from specpilot.engine.verify import greedy_verify
+from specpilot.engine.verify import cut_at_stop, greedy_verify
 from specpilot.errors import PromptTooLongError
 from specpilot.models.transformer import Transformer
 
@@ -289,12 +289,9 @@ class BatchScheduler:
     def _append(slot: _Slot, committed: list[int]) -> list[int]:
         """Append committed tokens, cutting at the first stop token or the length limit."""
         res = slot.result
-        keep = committed[: slot.remaining]
-        for i, tok in enumerate(keep):
-            if tok in slot.request.stop_ids:
-                keep = keep[: i + 1]
-                res.stop_reason = "eos"
-                break
+        keep, stopped = cut_at_stop(committed, slot.remaining, slot.request.stop_ids)
+        if stopped:
+            res.stop_reason = "eos"
         res.tokens.extend(keep)
         slot.context.extend(keep)
         done = res.stop_reason == "eos" or slot.remaining <= 0
