@@ -12,6 +12,28 @@ from collections.abc import Callable
 import torch
 
 
+def time_burst(
+    fn: Callable[[], object],
+    device: torch.device,
+    iters: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Seconds per call of one timed burst of ``iters`` calls (CUDA: events; else ``clock``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            fn()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1) / 1e3 / iters
+    t0 = clock()
+    for _ in range(iters):
+        fn()
+    return (clock() - t0) / iters
+
+
 def time_call(
     fn: Callable[[], object],
     device: torch.device,
@@ -19,23 +41,8 @@ def time_call(
     warmup: int = 2,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Seconds per call of ``fn``: median of 3 runs of ``iters`` calls, after ``warmup`` calls."""
+    """Seconds per call of ``fn``: median of 3 bursts of ``iters`` calls, after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    runs = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(iters):
-                fn()
-            e1.record()
-            e1.synchronize()
-            runs.append(e0.elapsed_time(e1) / 1e3 / iters)
-        else:
-            t0 = clock()
-            for _ in range(iters):
-                fn()
-            runs.append((clock() - t0) / iters)
-    return sorted(runs)[1]
+    runs = sorted(time_burst(fn, device, iters, clock) for _ in range(3))
+    return runs[1]

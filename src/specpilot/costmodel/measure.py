@@ -24,6 +24,7 @@ from specpilot.costmodel.components import ForwardPieces, Thunk, eager_pieces, s
 from specpilot.engine import AcceptanceStats, SpecEngine
 from specpilot.engine.loop import PhaseTimes
 from specpilot.models.transformer import Transformer
+from specpilot.timing import time_burst
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,21 +78,7 @@ with ``--threads 1``: time slices taken by other processes do not count, the wor
 
 def _sample(fn: Thunk, device: torch.device, iters: int, clock: str = "wall") -> float:
     """Seconds per call of one timed burst of ``iters`` calls (CUDA: events; else ``clock``)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(iters):
-            fn()
-        e1.record()
-        e1.synchronize()
-        return e0.elapsed_time(e1) / 1e3 / iters
-    now = CLOCKS[clock]
-    t0 = now()
-    for _ in range(iters):
-        fn()
-    return (now() - t0) / iters
+    return time_burst(fn, device, iters, CLOCKS[clock])
 
 
 def time_rounds(
