@@ -235,6 +235,11 @@ def test_mechanism_map_names_every_component():
         assert any(
             r.name == m.name and r.status == "registered" for r in mechanisms_for(m.component)
         )
+    # every planned name that is now registered shows as registered, never as planned
+    statuses = {r.name: r.status for c in COMPONENTS for r in mechanisms_for(c)}
+    assert statuses["two-level"] == "registered"
+    assert statuses["CUDA graphs"] == "engine" and statuses["static engine"] == "engine"
+    assert not any(name in MECHANISMS for name, st in statuses.items() if st == "planned")
 
 
 # ---------------------------------------------------------------------- on paper

@@ -1,8 +1,9 @@
 """Which mechanisms attack which cost-model component.
 
 Registered mechanisms (``specpilot.mechanisms.MECHANISMS``) declare their component; they are
-listed first. Planned mechanisms (issues 6-8 and the reference system's list) are a static map
-until they are registered; a report marks them ``planned``.
+listed first. The rest is a static map: what the CUDA-graph engine does by construction (CUDA
+graphs, static shapes, fused kernels, device accept: status ``engine``, chosen by running the
+static engine rather than by a registry entry), and what is not built yet (``planned``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,7 @@ from dataclasses import dataclass
 
 _WEIGHTS = (
     ("W12", "w12", "lossless 12-bit weights: a quarter fewer weight bytes per step"),
-    (
-        "two-level verify",
-        "two-level-verify",
-        "8-bit / INT6 first pass, exact check where it could flip",
-    ),
+    ("two-level verify", "two-level", "an INT8 copy corrects the draft, the exact target verifies"),
     ("L2 prefetch", "l2-prefetch", "prefetch the next layer's weights into L2 across kernels"),
 )
 
@@ -43,7 +40,7 @@ PLANNED: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
     "verify": (
         ("tree verify", "tree-verify", "verify a tree of candidates: more tokens per cycle"),
-        ("two-level verify", "two-level-verify", "cheap first pass, exact check after"),
+        ("two-level verify", "two-level", "cheap first pass, exact check after"),
     ),
     "accept_commit": (
         ("device accept", "device-accept", "accept and commit on the device, no host round trip"),
@@ -62,12 +59,16 @@ PLANNED: dict[str, tuple[tuple[str, str, str], ...]] = {
 """Component → (label, registry name it will have, what it does) of the mechanisms that attack
 it. Once a mechanism of that registry name is registered, it is listed as registered instead."""
 
+ENGINE_PATH = frozenset({"cuda-graphs", "static-engine", "kernel-fusion", "device-accept"})
+"""Built into the CUDA-graph engine (``engine/static_engine.py``), not registry entries."""
+
 
 @dataclass(frozen=True, slots=True)
 class MechanismRef:
     name: str
     status: str
-    """``registered`` (in the mechanism registry) or ``planned``."""
+    """``registered`` (in the mechanism registry), ``engine`` (the CUDA-graph engine's own) or
+    ``planned``."""
     detail: str = ""
 
 
@@ -85,9 +86,9 @@ def mechanisms_for(component: str) -> tuple[MechanismRef, ...]:
         if any(r.name == reg_name for r in out):
             continue
         mech = MECHANISMS.get(reg_name)
-        out.append(
-            MechanismRef(reg_name, "registered", mech.summary)
-            if mech is not None
-            else MechanismRef(label, "planned", detail)
-        )
+        if mech is not None:
+            out.append(MechanismRef(reg_name, "registered", mech.summary))
+        else:
+            status = "engine" if reg_name in ENGINE_PATH else "planned"
+            out.append(MechanismRef(label, status, detail))
     return tuple(out)
