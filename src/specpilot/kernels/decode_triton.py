@@ -120,6 +120,59 @@ def _rope_qkv_kernel(
         tl.store(v_cache_ptr + off + half + offs, tl.load(vsrc + half + offs))
 
 
+def _launch_rope(
+    qkv: Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    positions: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    q_norm: Tensor | None,
+    k_norm: Tensor | None,
+    eps: float,
+    q_out: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    width: int,  # T (dense) or W (packed): query rows per batch row of ``q_out``
+    groups: int,
+    where: Tensor,  # dense: the cache slots [M]; packed: the placement table [4, M]
+    where_stride: int,
+    packed: bool,
+    has_slots: bool,
+) -> None:
+    """One launch of ``_rope_qkv_kernel`` over the ``M`` rows of ``qkv``, all heads."""
+    has_norm = q_norm is not None and k_norm is not None
+    dummy = cos_table
+    _rope_qkv_kernel[(qkv.shape[0], q_heads + kv_heads)](
+        qkv,
+        qkv.stride(0),
+        q_heads * head_dim,
+        positions,
+        cos_table,
+        sin_table,
+        q_norm if has_norm else dummy,
+        k_norm if has_norm else dummy,
+        q_out,
+        k_cache,
+        v_cache,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        eps,
+        width,
+        q_heads,
+        kv_heads,
+        groups,
+        where,
+        where_stride,
+        D=head_dim,
+        HAS_NORM=has_norm,
+        PACKED=packed,
+        HAS_SLOTS=has_slots,
+        num_warps=1,
+    )
+
+
 def rope_qkv_write(
     qkv: Tensor,  # [M, q_cols + 2 * H_kv * D] contiguous (M = B * T)
     q_heads: int,  # 0 writes only K/V
@@ -149,35 +202,11 @@ def rope_qkv_write(
     q_out = torch.empty(batch, kv_heads, g * t, head_dim, dtype=qkv.dtype, device=qkv.device)
     assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
     assert v_cache.stride() == k_cache.stride()
-    has_norm = q_norm is not None and k_norm is not None
-    dummy = cos_table
-    _rope_qkv_kernel[(m, q_heads + kv_heads)](
-        qkv,
-        qkv.stride(0),
-        q_heads * head_dim,
-        positions,
-        cos_table,
-        sin_table,
-        q_norm if has_norm else dummy,
-        k_norm if has_norm else dummy,
-        q_out,
-        k_cache,
-        v_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        eps,
-        t,
-        q_heads,
-        kv_heads,
-        g,
-        positions if slots is None else slots,
-        0,
-        D=head_dim,
-        HAS_NORM=has_norm,
-        PACKED=False,
-        HAS_SLOTS=slots is not None,
-        num_warps=1,
-    )
+    _launch_rope(
+        qkv, q_heads, kv_heads, head_dim, positions, cos_table, sin_table, q_norm, k_norm, eps,
+        q_out, k_cache, v_cache, t, g, positions if slots is None else slots, 0,
+        packed=False, has_slots=slots is not None,
+    )  # fmt: skip
     return q_out
 
 
@@ -205,42 +234,16 @@ def rope_qkv_write_packed(
     of the padded block. Returns q ``[B + 1, H_kv, G*W, D]`` (zeros where no row landed; slab B
     collects the bucket's padding rows and is not attended).
     """
-    m = qkv.shape[0]
     g = max(q_heads // kv_heads, 1)
     q_out = torch.zeros(
         batch + 1, kv_heads, g * width, head_dim, dtype=qkv.dtype, device=qkv.device
     )
     assert k_cache.stride(3) == 1 and k_cache.stride(2) == head_dim
     assert v_cache.stride() == k_cache.stride() and place.stride(1) == 1
-    has_norm = q_norm is not None and k_norm is not None
-    dummy = cos_table
-    _rope_qkv_kernel[(m, q_heads + kv_heads)](
-        qkv,
-        qkv.stride(0),
-        q_heads * head_dim,
-        positions,
-        cos_table,
-        sin_table,
-        q_norm if has_norm else dummy,
-        k_norm if has_norm else dummy,
-        q_out,
-        k_cache,
-        v_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        eps,
-        width,
-        q_heads,
-        kv_heads,
-        g,
-        place,
-        place.stride(0),
-        D=head_dim,
-        HAS_NORM=has_norm,
-        PACKED=True,
-        HAS_SLOTS=False,
-        num_warps=1,
-    )
+    _launch_rope(
+        qkv, q_heads, kv_heads, head_dim, positions, cos_table, sin_table, q_norm, k_norm, eps,
+        q_out, k_cache, v_cache, width, g, place, place.stride(0), packed=True, has_slots=False,
+    )  # fmt: skip
     return q_out
 
 
