@@ -76,13 +76,19 @@ def accept_and_commit(state: DecodeState, k: int) -> None:
     """
     argmax = state.verify_argmax[:, : k + 1]  # [B, k+1]
     outcome = greedy_verify(state.drafts[:, :k], state.draft_lens, argmax)
-    n = outcome.accepted_len * state.active  # [B]
-    bonus = argmax.gather(1, n[:, None]).squeeze(1)  # [B]
+    commit_block(state, argmax, outcome.accepted_len * state.active)
+
+
+def commit_block(state: DecodeState, block: Tensor, n: Tensor) -> None:
+    """Commit ``block[b, :n[b] + 1]`` (accepted tokens, then the bonus ``block[b, n[b]]``) for
+    every active row, on the device. All of ``block [B, W]`` is scattered after the committed
+    prefix; only the first ``n + 1`` become committed. Frozen rows commit nothing."""
+    bonus = block.gather(1, n[:, None]).squeeze(1)  # [B]
     last = state.capacity - 1
-    idx = (state.committed_len[:, None] + torch.arange(k + 1, device=argmax.device)).clamp_(
+    idx = (state.committed_len[:, None] + torch.arange(block.shape[1], device=block.device)).clamp_(
         max=last
-    )  # [B, k+1]
-    state.tokens.scatter_(1, idx, argmax)
+    )  # [B, W]
+    state.tokens.scatter_(1, idx, block)
     state.prev_committed.copy_(state.committed_len)
     state.committed_len.add_((n + 1) * state.active)
     state.pending.copy_(torch.where(state.active.bool(), bonus, state.pending))

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from specpilot.drafters.static_tree import StaticTree
-from specpilot.engine.device_state import DecodeState
+from specpilot.engine.device_state import DecodeState, commit_block
 from specpilot.models.kv_cache import KVCache
 
 
@@ -199,14 +199,4 @@ def tree_accept_and_commit(
         chain_hidden.copy_(bufs.hidden.gather(2, idx))
     chain = bufs.argmax.gather(1, srcw)  # [B, k+1]: path tokens a_0..a_{n-1}, then the bonus a_n
     state.verify_argmax[:, : k + 1].copy_(chain)
-    bonus = chain.gather(1, n[:, None]).squeeze(1)  # [B]
-    last = state.capacity - 1
-    idx = (state.committed_len[:, None] + torch.arange(k + 1, device=chain.device)).clamp_(
-        max=last
-    )  # [B, k+1]
-    state.tokens.scatter_(1, idx, chain)
-    state.prev_committed.copy_(state.committed_len)
-    state.committed_len.add_((n + 1) * state.active)
-    state.pending.copy_(torch.where(state.active.bool(), bonus, state.pending))
-    state.accepted.copy_(n)
-    state.cycle.add_(1)
+    commit_block(state, chain, n)
