@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from specpilot.config import ModelConfig
 from specpilot.models import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Two cores in CI: keep torch from oversubscribing them when pytest runs alongside other work.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -50,3 +55,16 @@ def tiny_model(cfg: ModelConfig, seed: int, std: float = 0.15) -> Transformer:
 @pytest.fixture
 def make_tiny():
     return tiny_model
+
+
+def run_interpreted(args: list[str], timeout: int = 240) -> str:
+    """``python *args`` with ``TRITON_INTERPRET=1`` and the source tree on the path (the Triton
+    kernels run on the CPU through the interpreter, which must be set before triton is
+    imported, hence the subprocess); asserts it exits 0 and returns its stdout."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout

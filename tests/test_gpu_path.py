@@ -6,14 +6,12 @@ the interpreter, and the GPU suite end to end on tiny shapes. Graph capture itse
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_interpreted
 from specpilot.config import ModelConfig
 from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
@@ -187,17 +185,7 @@ print("kernels ok")
 
 
 def test_triton_kernels_match_reference_in_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "kernels ok" in out.stdout
+    assert "kernels ok" in run_interpreted(["-c", KERNEL_CHECK], timeout=120)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

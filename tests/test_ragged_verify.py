@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_interpreted
 from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.engine.build import EngineBuild
@@ -317,23 +318,7 @@ print("packed kernel ok")
 def test_packed_triton_kernel_in_interpreter() -> None:
     """The fused packed RoPE + K/V write + query scatter (Triton, interpreted) gives the same
     argmax and cache as the torch reference path."""
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
-    out = subprocess.run(
-        [sys.executable, "-c", PACKED_KERNEL_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "packed kernel ok" in out.stdout
+    assert "packed kernel ok" in run_interpreted(["-c", PACKED_KERNEL_CHECK], timeout=300)
 
 
 def test_policy_must_cover_active_rows() -> None:

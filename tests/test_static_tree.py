@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from conftest import run_interpreted
 from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree, parse_tree
@@ -339,23 +340,7 @@ print("slots kernel ok")
 
 
 def test_rope_kernel_positions_apart_from_slots() -> None:
-    pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
-    out = subprocess.run(
-        [sys.executable, "-c", SLOTS_KERNEL_CHECK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "slots kernel ok" in out.stdout
+    assert "slots kernel ok" in run_interpreted(["-c", SLOTS_KERNEL_CHECK], timeout=300)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

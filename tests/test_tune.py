@@ -23,9 +23,8 @@ from test_cli import tiny_dir
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("tune")
+def tune_inputs(root: Path) -> tuple[Path, Path]:
+    """A tiny random model directory and three repetitive prompts under ``root``."""
     model = tiny_dir(root / "model")
     cfg = json.loads((model / "config.json").read_text())
     cfg["max_position_embeddings"] = 1024
@@ -36,6 +35,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return model, prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return tune_inputs(tmp_path_factory.mktemp("tune"))
 
 
 def tune_argv(model: Path, prompts: Path, out: Path, memory: Path, *extra: str) -> list[str]:

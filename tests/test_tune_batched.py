@@ -17,8 +17,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import MECHANISMS
 from specpilot.memory import fingerprint_deployment
 from specpilot.tune.space import config_hash, directions_for, skipped_mechanisms
-from test_cli import tiny_dir
-from test_tune import FAULTY, tune_argv
+from test_tune import FAULTY, tune_argv, tune_inputs
 
 STATIC_ONLY = (
     "ragged-trees",
@@ -32,17 +31,7 @@ STATIC_ONLY = (
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory):
     """A tiny random model and three repetitive prompts (as in test_tune)."""
-    root = tmp_path_factory.mktemp("tune-batched")
-    model = tiny_dir(root / "model")
-    cfg = json.loads((model / "config.json").read_text())
-    cfg["max_position_embeddings"] = 1024
-    (model / "config.json").write_text(json.dumps(cfg))
-    prompts = root / "prompts.jsonl"
-    lines = [
-        {"id": f"p{i}", "prompt": " ".join(["hello world hi user"] * (3 + i))} for i in range(3)
-    ]
-    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    return model, prompts
+    return tune_inputs(tmp_path_factory.mktemp("tune-batched"))
 
 
 def _config(mode: str, target: str = "m", **kw: object) -> EngineConfig:

@@ -9,16 +9,14 @@ interpreter must be switched on before triton is imported.
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_model
+from conftest import run_interpreted, tiny_config, tiny_model
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
 from specpilot.engine import SpecEngine
 from specpilot.engine.verify import greedy_verify
@@ -223,22 +221,14 @@ def test_registered_where_it_can_pay():
 
 
 # ---------------------------------------------------------------- interpreter (subprocess)
-def _run(args: list[str], timeout: int = 240) -> str:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
-
-
 def test_kernel_matches_reference_in_interpreter() -> None:
-    assert "kernel ok" in _run([str(Path(__file__).resolve()), "kernel"])
+    assert "kernel ok" in run_interpreted([str(Path(__file__).resolve()), "kernel"])
 
 
 def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
-    out = _run([str(ROOT / "bench" / "two_level_gpu.py"), "--tiny", "--out", str(tmp_path)])
+    out = run_interpreted(
+        [str(ROOT / "bench" / "two_level_gpu.py"), "--tiny", "--out", str(tmp_path)]
+    )
     assert "two-level" in out
     result = json.loads((tmp_path / "two_level_gpu.json").read_text())
     assert result["kernel"] and all(r["err_ok"] for r in result["kernel"])

@@ -8,14 +8,13 @@ must be switched on before triton is imported; they use tiny shapes and finish i
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_interpreted
 from specpilot.mechanisms.w12_format import (
     ESC_ROWS,
     W12Tensor,
@@ -146,18 +145,7 @@ def test_minilm_every_tensor_round_trips(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- interpreter (subprocess)
 def _run_group(group: str, *extra: str, timeout: int = 120) -> str:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), group, *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout
+    return run_interpreted([str(Path(__file__).resolve()), group, *extra], timeout)
 
 
 def test_kernel_matches_reference_in_interpreter() -> None:
@@ -169,18 +157,10 @@ def test_mechanism_in_interpreter() -> None:
 
 
 def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "w12_gpu.py"), "--tiny", "--out", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
+    stdout = run_interpreted(
+        [str(ROOT / "bench" / "w12_gpu.py"), "--tiny", "--out", str(tmp_path)], timeout=120
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "layer totals" in out.stdout
+    assert "layer totals" in stdout
     result = json.loads((tmp_path / "w12_gpu.json").read_text())
     for shape in result["shapes"].values():
         assert "error" not in shape
