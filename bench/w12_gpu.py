@@ -5,8 +5,9 @@ enough weight copies in rotation that nothing is served from L2:
   * ``cublas``     torch ``F.linear`` on the bf16 weights;
   * ``bf16_tri``   the same Triton kernel as W12 reading plain bf16 (the fair baseline for the
                    decode overhead), best of a small config sweep;
-  * ``w12``        the W12 kernel (escapes decoded as 0), best of the same sweep;
-  * ``w12_cancel`` the W12 kernel with escape placeholders cancelled afterwards, best config of w12.
+  * ``w12``        the W12 kernel (PTX byte-permute decode), best of the same sweep;
+  * ``w12_ops``    the W12 kernel with the plain-Triton integer decode, best config of w12 (its
+                   output must equal ``w12`` bit for bit: same bits, same summation order).
 It checks each kernel against the fp64 product of the decoded weights (bound: half a bf16 ulp
 plus K·2^-23·Σ|x||w|), measures device copy bandwidth in the same run, reports each variant's
 fraction of the copy-bandwidth roofline (weight + activation bytes / copy bandwidth), the speedup
@@ -63,12 +64,15 @@ SWEEP: dict[str, tuple[GemmConfig, ...]] = {
     "m1": (
         GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=False),
         GemmConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False),
+        GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=False),
         GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
     ),
     "m16": (
         GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
         GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
         GemmConfig(block_n=64, block_k=512, num_warps=8, num_stages=2),
+        GemmConfig(block_n=128, block_k=256, num_warps=8, num_stages=3),
+        GemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=3),
     ),
     "m64": (
         GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
@@ -76,9 +80,9 @@ SWEEP: dict[str, tuple[GemmConfig, ...]] = {
     ),
 }
 TINY_SWEEP: dict[str, tuple[GemmConfig, ...]] = {
-    "m1": (GemmConfig(block_n=16, block_k=32, use_dot=False), GemmConfig(block_n=16, block_k=32)),
-    "m16": (GemmConfig(block_n=16, block_k=32), GemmConfig(block_n=32, block_k=64, split_k=2)),
-    "m64": (GemmConfig(block_n=32, block_k=32),),
+    "m1": (GemmConfig(block_n=16, block_k=64, use_dot=False), GemmConfig(block_n=16, block_k=64)),
+    "m16": (GemmConfig(block_n=16, block_k=64), GemmConfig(block_n=32, block_k=64, split_k=2)),
+    "m64": (GemmConfig(block_n=32, block_k=64),),
 }
 
 
@@ -195,9 +199,9 @@ def bench_m(
         row["cublas"] = {"error": f"{type(e).__name__}: {e}"}
 
     key = sweep_key(m)
-    for variant in ("bf16_tri", "w12", "w12_cancel"):
+    for variant in ("bf16_tri", "w12", "w12_ops"):
         try:
-            if variant == "w12_cancel":
+            if variant == "w12_ops":
                 cfgs: tuple[GemmConfig, ...] = (best_cfg.get(("w12", key)) or sweep[key][0],)
             elif time.perf_counter() > deadline and (variant, key) in best_cfg:
                 cfgs = (best_cfg[(variant, key)],)  # out of time: no more sweeping
@@ -216,7 +220,7 @@ def bench_m(
                         ]
                     else:
                         calls = [
-                            partial(w12_matmul, x, t, c, cfg=cfg, esc_zero=variant == "w12")
+                            partial(w12_matmul, x, t, c, cfg=cfg, prmt=variant == "w12")
                             for t, c in zip(data.w12s, data.counters, strict=False)
                         ]
                     results.append((time_calls(calls, dev, reps), cfg))
@@ -226,16 +230,16 @@ def bench_m(
                 row[variant] = {"error": "; ".join(errors) or "no config ran"}
                 continue
             t, cfg = min(results, key=lambda r: r[0])
-            if variant != "w12_cancel":
+            if variant != "w12_ops":
                 best_cfg[(variant, key)] = cfg
             if variant == "bf16_tri":
                 y = bf16_matmul(x, data.ws[0], data.counters[0], cfg=cfg)
                 wbytes: float = 2 * n * k
             else:
-                y = w12_matmul(
-                    x, data.w12s[0], data.counters[0], cfg=cfg, esc_zero=variant == "w12"
-                )
+                y = w12_matmul(x, data.w12s[0], data.counters[0], cfg=cfg, prmt=variant == "w12")
                 wbytes = data.w12s[0].nbytes()
+                if variant == "w12_ops" and "y" in row.get("w12", {}):
+                    row["prmt_equals_ops"] = bool(torch.equal(row["w12"].pop("y"), y))
             record(
                 variant,
                 t,
@@ -245,6 +249,8 @@ def bench_m(
                 configs_tried=len(results),
                 config_errors=errors,
             )
+            if variant == "w12":
+                row["w12"]["y"] = y  # compared with w12_ops below, then dropped
         except Exception as e:
             row[variant] = {
                 "error": f"{type(e).__name__}: {e}",
@@ -254,6 +260,7 @@ def bench_m(
         row["cublas_err_over_bound"] = error_ratio(F.linear(x, data.ws[0]), x, data.ws[0])
     except Exception as e:
         row["cublas_err_over_bound"] = f"{type(e).__name__}: {e}"
+    row.get("w12", {}).pop("y", None)
     for base in ("bf16_tri", "cublas"):
         if "us" in row.get("w12", {}) and "us" in row.get(base, {}):
             row[f"speedup_w12_vs_{base}"] = row[base]["us"] / row["w12"]["us"]
@@ -314,7 +321,7 @@ def summarize(shapes: dict[str, Any], ms: tuple[int, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for m in ms:
         tot: dict[str, float] = {}
-        for variant in ("cublas", "bf16_tri", "w12", "w12_cancel"):
+        for variant in ("cublas", "bf16_tri", "w12", "w12_ops"):
             us = [s["rows"].get(str(m), {}).get(variant, {}).get("us") for s in shapes.values()]
             if us and all(u is not None for u in us):
                 tot[variant] = float(sum(us))
@@ -331,8 +338,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"W12 GEMM  device={result['device']}  copy={result['copy_bw_TBps']:.2f} TB/s  "
         f"commit={result['commit']}  {result['date']}",
-        f"{'shape':>8} {'M':>3} {'cublas':>8} {'bf16tri':>8} {'w12':>8} {'w12c':>8} "
-        f"{'x/tri':>6} {'x/cub':>6} {'roof%':>6} {'err/bd':>7} bits",
+        f"{'shape':>8} {'M':>3} {'cublas':>8} {'bf16tri':>8} {'w12':>8} {'w12ops':>8} "
+        f"{'x/tri':>6} {'x/cub':>6} {'roof%':>6} {'err/bd':>7} {'=ops':>4} bits",
     ]
 
     def us(row: dict[str, Any], v: str) -> str:
@@ -348,13 +355,14 @@ def table(result: dict[str, Any]) -> str:
             sp1 = row.get("speedup_w12_vs_bf16_tri")
             sp2 = row.get("speedup_w12_vs_cublas")
             errs = [
-                row.get(v, {}).get("err_over_bound", 0.0) for v in ("bf16_tri", "w12", "w12_cancel")
+                row.get(v, {}).get("err_over_bound", 0.0) for v in ("bf16_tri", "w12", "w12_ops")
             ]
+            same = {True: "yes", False: "NO"}.get(row.get("prmt_equals_ops"), "-")
             lines.append(
                 f"{sname:>8} {m:>3} {us(row, 'cublas')} {us(row, 'bf16_tri')} {us(row, 'w12')} "
-                f"{us(row, 'w12_cancel')} {sp1 if sp1 else float('nan'):6.3f} "
+                f"{us(row, 'w12_ops')} {sp1 if sp1 else float('nan'):6.3f} "
                 f"{sp2 if sp2 else float('nan'):6.3f} "
-                f"{100 * w.get('roofline_frac', float('nan')):6.1f} {max(errs):7.3f} "
+                f"{100 * w.get('roofline_frac', float('nan')):6.1f} {max(errs):7.3f} {same:>4} "
                 f"{s['w12_bits_per_weight']:.3f}"
             )
     lines.append("layer totals (sum over the shapes):")

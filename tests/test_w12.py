@@ -17,6 +17,7 @@ import torch
 from conftest import run_interpreted
 from specpilot.mechanisms.w12_format import (
     ESC_ROWS,
+    GROUP,
     W12Tensor,
     decode,
     encode,
@@ -53,7 +54,7 @@ def test_round_trip_random_bit_patterns(shape: tuple[int, int], seed: int) -> No
     g = torch.Generator().manual_seed(seed)
     w = from_bits(torch.randint(0, 1 << 16, shape, generator=g))
     t = assert_round_trip(w)
-    assert t.codes.shape == (shape[0], (shape[1] + 1) // 2)
+    assert t.codes.shape == (shape[0], (shape[1] + GROUP - 1) // GROUP * GROUP // 2)
     assert t.esc_offsets.shape == ((shape[0] + ESC_ROWS - 1) // ESC_ROWS + 1,)
 
 
@@ -85,6 +86,22 @@ def test_escape_records_layout() -> None:
     rec = t.esc_records.tolist()
     assert [r >> 8 for r in rec] == [0 * 10 + 3, 15 * 10 + 9, 1 * 10 + 0]
     assert rec[1] & 0xFF == 0 and rec[2] & 0xFF == 0xFF
+
+
+def test_code_nibbles_pair_columns_across_half_groups() -> None:
+    """Byte j of group g: low nibble = code of column 64g + j, high = column 64g + 32 + j."""
+    k = 150  # two full groups and a partial third (its missing columns get the escape code 0)
+    exps = 120 + (torch.arange(k) % 15)  # [K] every window exponent, none escaped
+    w = from_bits((exps << 7).repeat(3, 1).to(torch.int64))  # [3, K] positive, mantissa 0
+    t = assert_round_trip(w)
+    assert t.num_escapes == 0 and t.base == 119
+    c = t.codes.to(torch.int64)  # [3, 3 * 32]
+    for col in range(k):
+        g, j = divmod(col, GROUP)
+        byte = c[1, g * (GROUP // 2) + j % (GROUP // 2)]
+        nib = (byte >> 4) if j >= GROUP // 2 else (byte & 0xF)
+        assert int(nib) == int(exps[col]) - t.base
+    assert int(c[0, -1]) >> 4 == 0  # column 2 * 64 + 32 + 31 = 223 > K: padding is the escape code
 
 
 def test_encode_rejects_bad_input() -> None:
@@ -165,10 +182,34 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
     for shape in result["shapes"].values():
         assert "error" not in shape
         for row in shape["rows"].values():
-            for v in ("cublas", "bf16_tri", "w12", "w12_cancel"):
+            for v in ("cublas", "bf16_tri", "w12", "w12_ops"):
                 assert "us" in row[v], row[v]
-            for v in ("bf16_tri", "w12", "w12_cancel"):
+            for v in ("bf16_tri", "w12", "w12_ops"):
                 assert row[v]["err_over_bound"] <= 1.0
+            assert row["prmt_equals_ops"] is True  # the interpreter runs the ops decode for both
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX decode needs a CUDA GPU")
+def test_prmt_decode_on_gpu() -> None:
+    """The inline-PTX decode gives bit for bit the plain decode's output, within the bound."""
+    from specpilot.kernels.w12_gemm import GemmConfig, counter_buffer, w12_matmul
+
+    dev = torch.device("cuda")
+    for i, (m, n, k, cfg) in enumerate([
+        (1, 96, 200, GemmConfig(block_n=32, block_k=128, use_dot=False)),
+        (1, 64, 256, GemmConfig(block_n=64, block_k=256)),
+        (7, 80, 320, GemmConfig(block_n=16, block_k=64, split_k=2)),
+        (16, 128, 4096, GemmConfig()),
+        (33, 64, 576, GemmConfig(block_n=64, block_k=128)),
+    ]):  # fmt: skip
+        w = _weights(n, k, 20 + i).to(dev)
+        t = encode(w)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16).to(dev)
+        counters = counter_buffer(n, dev)
+        y = w12_matmul(x, t, counters, cfg=cfg)
+        y_ops = w12_matmul(x, t, counters, cfg=cfg, prmt=False)
+        assert torch.equal(y, y_ops), i
+        assert _error_ratio(y.cpu(), x.cpu(), w.cpu(), None) <= 1.0, i
 
 
 def test_registered() -> None:
@@ -178,7 +219,7 @@ def test_registered() -> None:
     assert mech.plug_point == "linear_weights"
     assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "single", "llama")
-    assert mech.resolve_knobs({}) == {"layers": "all", "max_m": 64, "escape_mode": "zero"}
+    assert mech.resolve_knobs({}) == {"layers": "all", "max_m": 64, "decoder": "prmt"}
 
 
 # ---------------------------------------------------------------- groups run in the subprocess
@@ -212,12 +253,12 @@ def _group_kernel() -> None:
     )
 
     cases = [  # (M, N, K, config, with bias)
-        (1, 48, 70, GemmConfig(block_n=16, block_k=32, use_dot=False), False),
-        (1, 32, 64, GemmConfig(block_n=16, block_k=32, use_dot=False, split_k=2), True),
-        (1, 40, 64, GemmConfig(block_n=16, block_k=32), False),
-        (5, 48, 71, GemmConfig(block_n=16, block_k=32, split_k=2), True),
-        (17, 32, 96, GemmConfig(block_n=32, block_k=32, split_k=3), False),
-        (64, 16, 64, GemmConfig(block_n=16, block_k=64), False),
+        (1, 48, 70, GemmConfig(block_n=16, block_k=64, use_dot=False), False),
+        (1, 32, 128, GemmConfig(block_n=16, block_k=64, use_dot=False, split_k=2), True),
+        (1, 40, 64, GemmConfig(block_n=16, block_k=64), False),
+        (5, 48, 135, GemmConfig(block_n=16, block_k=64, split_k=2), True),
+        (17, 32, 200, GemmConfig(block_n=32, block_k=64, split_k=3), False),
+        (64, 16, 256, GemmConfig(block_n=16, block_k=128), False),
     ]
     for i, (m, n, k, cfg, has_bias) in enumerate(cases):
         w = _weights(n, k, i)
@@ -229,7 +270,6 @@ def _group_kernel() -> None:
         counters = counter_buffer(n, x.device)
         outs = {
             "w12": w12_matmul(x, t, counters, bias, cfg=cfg),
-            "w12-cancel": w12_matmul(x, t, counters, bias, cfg=cfg, esc_zero=False),
             "bf16": bf16_matmul(x, w, counters, bias, cfg=cfg),
             "reference": w12_matmul_reference(x, t, bias),
         }
@@ -244,6 +284,8 @@ def _group_kernel() -> None:
         y = w12_matmul(wide[:, :k], t, counters, bias)
         assert _error_ratio(y, x, w, bias) <= 1.0
 
+    with pytest.raises(ValueError, match="multiple of 64"):
+        w12_matmul(x, t, counters, cfg=GemmConfig(block_n=16, block_k=32))
     # non-finite weights: non-finite outputs exactly where the exact product has them
     w = _weights(32, 64, 9)
     w[3, 5], w[7, 0], w[20, 63], w[21, 1], w[21, 2] = (
@@ -253,12 +295,11 @@ def _group_kernel() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     z = x.double() @ w.double().T
     counters = counter_buffer(32, x.device)
-    for cfg in (GemmConfig(block_n=16, block_k=32), GemmConfig(block_n=16, block_k=32, split_k=2)):
-        for ez in (True, False):
-            y = w12_matmul(x, t, counters, cfg=cfg, esc_zero=ez).double()
-            assert torch.equal(y.isnan(), z.isnan()) and torch.equal(y.isinf(), z.isinf())
-            assert torch.equal(y[z.isinf()], z[z.isinf()])
-    y1 = w12_matmul(x[:1], t, counters, cfg=GemmConfig(block_n=16, block_k=32, use_dot=False))
+    for cfg in (GemmConfig(block_n=16, block_k=64), GemmConfig(block_n=16, block_k=64, split_k=2)):
+        y = w12_matmul(x, t, counters, cfg=cfg).double()
+        assert torch.equal(y.isnan(), z.isnan()) and torch.equal(y.isinf(), z.isinf())
+        assert torch.equal(y[z.isinf()], z[z.isinf()])
+    y1 = w12_matmul(x[:1], t, counters, cfg=GemmConfig(block_n=16, block_k=64, use_dot=False))
     assert torch.equal(y1.double().isnan(), z[:1].isnan())
     print("kernel ok")
 
@@ -301,6 +342,20 @@ def _group_mechanism() -> None:
         cache.lengths += 1
     report = force_tokens(stock, [("s0", seq, committed)])
     assert report.mismatches == 0, report
+    # the static (CUDA-graph) engine's forward reads the same W12 kernels
+    from specpilot.engine.static_engine import StaticEngine
+
+    calls = {"n": 0}
+    fn0 = layer.linear_fns["w_gate_up"]
+
+    def counted(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls["n"] += 1
+        return fn0(x, b)
+
+    layer.linear_fns["w_gate_up"] = counted
+    static = StaticEngine(model).generate([seq], 5)[0].tokens
+    static_stock = StaticEngine(stock).generate([seq], 5)[0].tokens
+    assert calls["n"] >= 5 and static == static_stock, (calls, static, static_stock)
     print("mechanism ok")
 
 
@@ -329,7 +384,7 @@ def _group_stats() -> None:
         g = torch.Generator().manual_seed(n_ + k_)
         t = encode((0.02 * torch.randn(n_, k_, generator=g)).to(torch.bfloat16))
         print(f"N(0, 0.02) {n_}x{k_}: {t.bits_per_weight():.4f} bits/weight, "
-              f"escapes {100 * t.num_escapes / (n_ * k_):.4f}%, top {t.top}")  # fmt: skip
+              f"escapes {100 * t.num_escapes / (n_ * k_):.4f}%, base {t.base}")  # fmt: skip
 
 
 if __name__ == "__main__":

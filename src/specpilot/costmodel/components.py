@@ -170,9 +170,9 @@ def static_pieces(
     def attn_proj() -> object:
         for i, layer in enumerate(layers):
             hn = fwd.norm(x2, layer.input_norm)
-            qkv = F.linear(hn, layer.w_qkv, layer.b_qkv)  # [M, q + 2kv]
+            qkv = fwd.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
             fwd.rope_write(qkv, cfg.num_heads, layer, cache.k[i], cache.v[i], positions, 1)
-            fwd._linear_residual(x2, attn_out, layer.w_o)
+            fwd.linear_residual(x2, attn_out, layer, "w_o")
         return None
 
     def attn_kv() -> object:
@@ -183,9 +183,9 @@ def static_pieces(
     def mlp() -> object:
         for layer in layers:
             hn = fwd.norm(x2, layer.post_attn_norm)
-            gate_up = F.linear(hn, layer.w_gate_up)  # [M, 2I]
+            gate_up = fwd.linear(layer, "w_gate_up", hn)  # [M, 2I]
             kern.silu_mul(gate_up) if kern is not None else reference.silu_mul_ref(gate_up)
-            fwd._linear_residual(x2, act, layer.w_down)
+            fwd.linear_residual(x2, act, layer, "w_down")
         return None
 
     def lm_head() -> object:

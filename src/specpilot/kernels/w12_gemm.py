@@ -2,33 +2,38 @@
 
 One Triton kernel serves two weight formats so that the bf16 one is the fair baseline for the
 cost of decoding: ``W12=False`` streams a bf16 ``[N, K]`` matrix, ``W12=True`` streams the W12
-byte plane (sign | mantissa), the nibble plane (exponent codes) and the escape records, and
-rebuilds each bf16 weight in registers. Everything else (tiles, loop, split-K, epilogue) is
-shared.
+byte plane (sign | mantissa), the nibble plane (exponent codes, paired across half-groups) and
+the escape records, and rebuilds each bf16 weight in registers. Everything else (tiles, loop,
+split-K, epilogue) is shared.
 
 Per program: a ``[BLOCK_M, BLOCK_N]`` output tile over one K range of ``k_split`` columns.
 
-* **Dense loop** over ``BLOCK_K`` columns: load ``x [BLOCK_M, BLOCK_K]`` and the weight tile,
-  decode ``bits = (sign_ext(sm) & 0x807F) | ((top - code) << 7)`` (an escape code 15 decodes to 0
-  when ``ESC_ZERO``, else to the finite placeholder exponent ``top - 15`` with the weight's own
-  sign and mantissa), and accumulate in fp32: ``tl.dot`` on the tensor cores, or, for one row
-  (``USE_DOT=False``), FMAs into a ``[BLOCK_N, BLOCK_K]`` fp32 accumulator reduced once at the end.
+* **Dense loop** over ``BLOCK_K`` columns, i.e. ``BLOCK_K / 64`` code groups: per group, load one
+  ``[BLOCK_N, 32]`` tile of code bytes and, for each half (columns ``j`` and ``j + 32``), the
+  ``[BLOCK_N, 32]`` sign/mantissa bytes and ``x [BLOCK_M, 32]``; decode
+  ``bits = (sign_ext(sm) & 0x807F) | ((base + code) << 7)`` — on the GPU four weights at a time
+  with byte permutes in inline PTX (``_decode_prmt``), in the interpreter with plain integer ops
+  (``_decode_ops``, the same bits) — and accumulate in fp32: ``tl.dot`` on the tensor cores, or,
+  for one row (``USE_DOT=False``), FMAs into a ``[BLOCK_N, 32]`` fp32 accumulator reduced once at
+  the end. The low/high nibble of a code byte belongs to the first/second half, so no tile is
+  interleaved or shuffled. An escape (code 0) decodes to the placeholder: its own sign and
+  mantissa with exponent ``base``, below every window exponent.
 * **Escapes**, once per program after the loop: for each 16-row escape block of the tile, the
   CSR range of its records is read 32 at a time; each record gives (n, k, exponent), the
-  sign/mantissa byte is re-read from ``sm``, and the escaped weights are put in a ``[32, BLOCK_N]``
-  bf16 tile (zero except at ``(e, n_e)``) that one more ``tl.dot`` multiplies by the gathered
-  activation columns ``x[:, k_e]``. So the escaped terms ``x[m, k_e] * w[n_e, k_e]`` enter the same
-  fp32 accumulator; with ``ESC_ZERO=False`` the placeholder's product is subtracted the same way.
-  Nothing serializes: no prefix sums, no per-weight branch, ~1-3 chunks per program.
+  sign/mantissa byte is re-read from ``sm``, and the escaped weights and the negated placeholders
+  are put in ``[32, BLOCK_N]`` bf16 tiles (zero except at ``(e, n_e)``) that two more ``tl.dot``
+  multiply by the gathered activation columns ``x[:, k_e]``. So the escaped terms
+  ``x[m, k_e] * w[n_e, k_e]`` enter the same fp32 accumulator and the placeholders' products
+  leave it. Nothing serializes: no prefix sums, no per-weight branch, ~1-3 chunks per program.
 * **Split-K** (when there are too few output tiles to fill the GPU): each split writes its fp32
   partial; an atomic per-tile counter (``acq_rel``) elects the last split, which sums the partials
   in split order (deterministic), adds the bias, rounds to bf16 once and resets the counter, so
   the whole product is one launch and the counters need no memset.
 
-Exactness: the decoded tile is bit for bit the bf16 weight (or 0 / the placeholder at escapes),
+Exactness: the decoded tile is bit for bit the bf16 weight (or the placeholder at escapes),
 a bf16×bf16 product is exact in fp32, and every product ``x[m, k] * w[n, k]`` enters one fp32 sum
-exactly once (plus, with ``ESC_ZERO=False``, an exactly cancelling pair ``±x·p`` with
-``|p| < 2^-14 · max|w|``). The result therefore differs from ``F.linear`` on the decoded weights only
+exactly once (plus, at escapes, an exactly cancelling pair ``±x·p`` with ``|p| < 2^-14 · max|w|``
+for the weights in the window). The result therefore differs from ``F.linear`` on the decoded weights only
 by the order of the fp32 additions (cuBLAS also picks its order per shape), i.e. by at most
 ``γ_K · Σ_k |x_k w_k|`` before the final bf16 rounding (γ_K ≈ K · 2^-24); tests check
 ``|y - y_exact| ≤ 2^-8 |y_exact| + K · 2^-23 · Σ|x||w|`` against an fp64 product.
@@ -46,7 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, W12Tensor, decode
+from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, GROUP, W12Tensor, decode
 
 ESC_CHUNK = 32
 """Escape records handled per inner step (the K size of the correction ``tl.dot``)."""
@@ -57,12 +62,73 @@ MAX_COUNTER_TILES_M = 4
 
 
 @triton.jit
-def _decode_bits(sm, code, top, ESC_ZERO: tl.constexpr):
-    """``sm`` int32 sign-extended bytes, ``code`` int32 in 0..15 -> bf16 bit patterns in int32."""
-    bits = (sm & 0x807F) | ((top << 7) - code * 128)  # one IMAD + one LOP3 per weight
-    if ESC_ZERO:
-        bits = tl.where(code == 15, 0, bits)
-    return bits
+def _decode_ops(sm, cb, base, HIGH: tl.constexpr):
+    """Plain Triton decode: ``sm`` uint8, ``cb`` uint8 code bytes (the low or the ``HIGH`` nibble
+    is this half's code) -> bf16 bit patterns in int32 (an escape, code 0, gives the placeholder
+    exponent ``base``)."""
+    smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
+    cbi = cb.to(tl.int32)
+    code = (cbi >> 4) if HIGH else (cbi & 0xF)
+    return (smi & 0x807F) | ((code + base) << 7)
+
+
+@triton.jit
+def _decode_prmt(sm, cb, base2, HIGH: tl.constexpr):
+    """The same decode as ``_decode_ops``, four weights per instance, as bf16: one 32-bit word of
+    ``sm`` and one of code bytes become two words of bf16 pairs with two ``prmt`` byte permutes
+    (sign-replicating the sign/mantissa bytes into 16-bit lanes), two more for the code bytes, one
+    shift per pair to move the nibble under the exponent field, one ``lop3`` to merge
+    ``(s & 0x807F) | (code << 7)`` and one add of ``base`` in both lanes (``base2`` =
+    ``base << 7 | base << 23``; no carry crosses a lane since ``base + code <= 255``)."""
+    # (one literal per variant: a jitted function cannot build strings)
+    if HIGH:
+        # the high nibble already sits in the high half of its byte
+        return tl.inline_asm_elementwise(
+            """    {
+            .reg .b32 c, s01, s23, c01, c23, m;
+            mov.b32 c, $3;
+            prmt.b32 s01, $2, 0, 0x9180;
+            prmt.b32 s23, $2, 0, 0xB3A2;
+            prmt.b32 c01, c, 0, 0x4140;
+            prmt.b32 c23, c, 0, 0x4342;
+            shl.b32 c01, c01, 3;
+            shl.b32 c23, c23, 3;
+            mov.b32 m, 0x807F807F;
+            lop3.b32 s01, s01, m, c01, 0xE2;
+            lop3.b32 s23, s23, m, c23, 0xE2;
+            add.u32 $0, s01, $4;
+            add.u32 $1, s23, $4;
+            }""",
+            "=r,=r,r,r,r,r,r,r",
+            [sm, cb, base2],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        # low nibbles move up to the high half of their byte; the rest is masked off
+        return tl.inline_asm_elementwise(
+            """    {
+            .reg .b32 c, s01, s23, c01, c23, m;
+            shl.b32 c, $3, 4;
+            prmt.b32 s01, $2, 0, 0x9180;
+            prmt.b32 s23, $2, 0, 0xB3A2;
+            prmt.b32 c01, c, 0, 0x4140;
+            prmt.b32 c23, c, 0, 0x4342;
+            shl.b32 c01, c01, 3;
+            shl.b32 c23, c23, 3;
+            mov.b32 m, 0x807F807F;
+            lop3.b32 s01, s01, m, c01, 0xE2;
+            lop3.b32 s23, s23, m, c23, 0xE2;
+            add.u32 $0, s01, $4;
+            add.u32 $1, s23, $4;
+            }""",
+            "=r,=r,r,r,r,r,r,r",
+            [sm, cb, base2],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
+        )
 
 
 @triton.jit
@@ -147,34 +213,66 @@ def _store_tile(
 
 
 @triton.jit
-def _k_step(
-    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
-    K, half_k, top, W12: tl.constexpr, ESC_ZERO: tl.constexpr, USE_DOT: tl.constexpr,
-    EVEN: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+def _w12_half(
+    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K, base,
+    HIGH: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PRMT: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_K`` step of the dense loop: load x and the weight tile, decode, accumulate."""
-    ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
-    x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-    if W12:
-        kh = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2]
-        sm_ptrs = sm_ptr + offs_n[:, None] * K + ks[None, :]
-        cb_ptrs = codes_ptr + offs_n[:, None] * half_k + kh[None, :]
-        if EVEN:
-            sm = tl.load(sm_ptrs)
-            cb = tl.load(cb_ptrs)
-        else:
-            sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0)
-            cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (2 * kh[None, :] < k_hi), other=255)
-        cbi = cb.to(tl.int32)
-        code = tl.interleave(cbi & 0xF, cbi >> 4)  # [BN, BK]
-        smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
-        bits = _decode_bits(smi, code, top, ESC_ZERO)  # [BN, BK]
+    """Half a code group: the 32 columns ``kc`` whose codes are the low (or ``HIGH``) nibbles of
+    ``cb [BN, 32]``; decode them and accumulate ``x[:, kc] @ w[:, kc]^T``."""
+    x_mask = m_ok[:, None] & (kc[None, :] < k_hi)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kc[None, :], mask=x_mask, other=0.0)
+    sm_ptrs = sm_ptr + offs_n[:, None] * K + kc[None, :]
+    if EVEN:
+        sm = tl.load(sm_ptrs)
+    else:
+        sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
+    if PRMT:  # GPU only: the interpreter cannot run inline PTX
+        w = _decode_prmt(sm, cb, tl.full(sm.shape, base * 0x800080, tl.int32), HIGH)  # [BN, 32]
+        if USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc)
+        else:  # BLOCK_M == 1
+            acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        bits = _decode_ops(sm, cb, base, HIGH)  # [BN, 32]
         if USE_DOT:
             acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_bits_to_operand(bits, INTERPRET)), acc)
         else:  # BLOCK_M == 1
             acc += _bits_to_f32(bits) * _bf16_to_f32(x)
+    return acc
+
+
+@triton.jit
+def _k_step(
+    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
+    K, codes_k, base, W12: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
+    PRMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_K`` step of the dense loop: load x and the weight tile, decode, accumulate."""
+    if W12:  # BLOCK_K // GROUP code groups, each two halves of GROUP // 2 columns
+        HALF: tl.constexpr = GROUP // 2
+        for g in tl.static_range(BLOCK_K // GROUP):
+            kg = k0 + g * GROUP
+            kc = kg + tl.arange(0, HALF)  # [32] columns of the low-nibble half
+            cb_ptrs = (
+                codes_ptr + offs_n[:, None] * codes_k + (kg // 2 + tl.arange(0, HALF))[None, :]
+            )
+            if EVEN:
+                cb = tl.load(cb_ptrs)  # [BN, 32] uint8
+            else:
+                cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
+            acc = _w12_half(
+                acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K,
+                base, False, USE_DOT, EVEN, PRMT, INTERPRET,
+            )  # fmt: skip
+            acc = _w12_half(
+                acc, kc + HALF, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr,
+                cb, K, base, True, USE_DOT, EVEN, PRMT, INTERPRET,
+            )  # fmt: skip
     else:
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         w_ptrs = w_ptr + offs_n[:, None] * K + ks[None, :]
         if EVEN:
             w = tl.load(w_ptrs)
@@ -187,12 +285,12 @@ def _k_step(
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "top", "split"])  # one compile serves every M <= BLOCK_M
+@triton.jit(do_not_specialize=["M", "base", "split"])  # one compile serves every M <= BLOCK_M
 def _linear_kernel(
     x_ptr,  # [M, K] bf16, row stride stride_xm
     w_ptr,  # [N, K] bf16 (W12=False)
     sm_ptr,  # [N, K] uint8 (W12=True)
-    codes_ptr,  # [N, ceil(K/2)] uint8
+    codes_ptr,  # [N, codes_k] uint8, codes_k = ceil(K/64) * 32
     off_ptr,  # [ceil(N/16) + 1] int32
     rec_ptr,  # [n_esc] int32
     bias_ptr,  # [N] bf16 (HAS_BIAS)
@@ -204,17 +302,19 @@ def _linear_kernel(
     K,
     stride_xm,
     stride_ym,
-    top,
+    codes_k,
+    base,
     k_split,  # columns per split, a multiple of BLOCK_K
     split,  # number of splits (grid dim 2)
     W12: tl.constexpr,
-    ESC_ZERO: tl.constexpr,
+    PRMT: tl.constexpr,  # W12 decode with inline PTX byte permutes (GPU), else plain Triton ops
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no N/K masks in the loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
     ESC_BLOCK_ROWS: tl.constexpr,
     ESC_STEP: tl.constexpr,
     MAX_SPLIT: tl.constexpr,
@@ -229,30 +329,31 @@ def _linear_kernel(
     n_ok = offs_n < N
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    half_k = (K + 1) // 2
 
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:  # BLOCK_M == 1: per-lane partial sums, reduced once after the loop
+    elif W12:  # BLOCK_M == 1: per-lane partial sums, reduced once after the loop
+        acc = tl.zeros((BLOCK_N, GROUP // 2), dtype=tl.float32)
+    else:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if INTERPRET:  # the CPU interpreter cannot take a runtime range() bound (numpy >= 2)
         k0 = k_lo
         while k0 < k_hi:
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, half_k, top, W12, ESC_ZERO, USE_DOT, EVEN, BLOCK_K, INTERPRET,
+                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, BLOCK_K, GROUP, INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
     else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, half_k, top, W12, ESC_ZERO, USE_DOT, EVEN, BLOCK_K, INTERPRET,
+                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, BLOCK_K, GROUP, INTERPRET,
             )  # fmt: skip
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
 
-    if W12:  # add the escaped weights' products (and remove the placeholders')
+    if W12:  # add the escaped weights' products and remove the placeholders'
         n_blocks = (N + ESC_BLOCK_ROWS - 1) // ESC_BLOCK_ROWS
         for r in tl.static_range(BLOCK_N // ESC_BLOCK_ROWS):
             blk = pid_n * (BLOCK_N // ESC_BLOCK_ROWS) + r
@@ -275,28 +376,18 @@ def _linear_kernel(
                 xg = tl.load(
                     x_ptr + offs_m[:, None] * stride_xm + k_e[None, :], mask=x_mask, other=0.0
                 )  # [BM, E]
-                if not ESC_ZERO:  # also subtract the placeholder the dense loop used
-                    p_bits = sm_bits | ((top - 15) << 7)
+                p_bits = sm_bits | (base << 7)  # the placeholder the dense loop used
                 if USE_DOT:
                     fix = _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET)
                     acc = tl.dot(_x_operand(xg, INTERPRET), fix, acc)  # [BM, BN]
-                    if not ESC_ZERO:
-                        neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
-                        acc = tl.dot(
-                            _x_operand(xg, INTERPRET), _bits_to_operand(neg_p, INTERPRET), acc
-                        )
+                    neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
+                    acc = tl.dot(_x_operand(xg, INTERPRET), _bits_to_operand(neg_p, INTERPRET), acc)
                 else:  # BLOCK_M == 1
                     xe = tl.reshape(_bf16_to_f32(xg), (ESC_STEP,))  # [E]
-                    prod = xe * _bits_to_f32(w_bits)  # exact in fp32
+                    prod = xe * (_bits_to_f32(w_bits) - _bits_to_f32(p_bits))  # exact in fp32
                     acc += tl.reshape(
                         tl.sum(tl.where(hit, prod[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
                     )
-                    if not ESC_ZERO:
-                        prod_p = xe * _bits_to_f32(p_bits)
-                        acc -= tl.reshape(
-                            tl.sum(tl.where(hit, prod_p[:, None], 0.0), axis=0),
-                            (BLOCK_M, BLOCK_N),
-                        )
 
     _store_tile(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
@@ -374,7 +465,7 @@ def _launch(
     bias: Tensor | None,  # [N]
     counters: Tensor,  # [tiles] int32
     cfg: GemmConfig,
-    esc_zero: bool,
+    prmt: bool,
 ) -> Tensor:  # [M, N] bf16
     m, k = x.shape
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
@@ -393,22 +484,25 @@ def _launch(
         else counters.view(torch.float32)
     )
     even = n % cfg.block_n == 0 and k % k_split == 0
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if w12 is not None:
-        sm, codes, offs, recs, top = w12.sm, w12.codes, w12.esc_offsets, w12.esc_records, w12.top
+        if cfg.block_k % GROUP:
+            raise ValueError(f"W12 needs block_k a multiple of {GROUP}, got {cfg.block_k}")
+        sm, codes, offs, recs, base = w12.sm, w12.codes, w12.esc_offsets, w12.esc_records, w12.base
         w_arg: Tensor = sm
         if recs.numel() == 0:
             recs = offs  # never read (every CSR range is empty) but must be a valid pointer
     else:
         assert w_bf16 is not None
-        w_arg, sm, codes, offs, recs, top = w_bf16, x, x, x, x, 0
+        w_arg, sm, codes, offs, recs, base = w_bf16, x, x, x, x, 0
     _linear_kernel[grid](
         x, w_arg, sm, codes, offs, recs,
         bias if bias is not None else x, y, part, counters,
-        m, n, k, x.stride(0), y.stride(0), top, k_split, split,
-        W12=w12 is not None, ESC_ZERO=esc_zero, HAS_BIAS=bias is not None,
+        m, n, k, x.stride(0), y.stride(0), codes.shape[-1], base, k_split, split,
+        W12=w12 is not None, PRMT=prmt and not interpret, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN=even, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        ESC_BLOCK_ROWS=ESC_ROWS, ESC_STEP=ESC_CHUNK, MAX_SPLIT=MAX_SPLIT_K,
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
+        GROUP=GROUP, ESC_BLOCK_ROWS=ESC_ROWS, ESC_STEP=ESC_CHUNK, MAX_SPLIT=MAX_SPLIT_K,
+        INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
@@ -420,14 +514,15 @@ def w12_matmul(
     counters: Tensor,  # from counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     cfg: GemmConfig | None = None,
-    esc_zero: bool = True,
+    prmt: bool = True,
 ) -> Tensor:  # [M, N] bf16
-    """``x @ decode(w)^T (+ bias)`` with the weights decoded in registers."""
+    """``x @ decode(w)^T (+ bias)`` with the weights decoded in registers (``prmt``: with byte
+    permutes in inline PTX on the GPU; ``False`` or the interpreter: plain Triton integer ops)."""
     n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has K = {x.shape[-1]}, the weight has K = {k}")
     cfg = cfg or default_config(x.shape[0], n, k)
-    return _launch(x, n, None, w, bias, counters, cfg, esc_zero)
+    return _launch(x, n, None, w, bias, counters, cfg, prmt)
 
 
 def bf16_matmul(
@@ -442,7 +537,7 @@ def bf16_matmul(
     if not w.is_contiguous():
         raise ValueError("w must be contiguous [N, K]")
     cfg = cfg or default_config(x.shape[0], n, k)
-    return _launch(x, n, w, None, bias, counters, cfg, True)
+    return _launch(x, n, w, None, bias, counters, cfg, False)
 
 
 def w12_matmul_reference(x: Tensor, w: W12Tensor, bias: Tensor | None = None) -> Tensor:

@@ -10,9 +10,10 @@ Plug point ``linear_weights``: ``apply`` encodes each selected matrix of every d
 bit, and installs a callable in ``DecoderLayer.linear_fns`` that ``DecoderLayer._project`` uses in
 place of ``F.linear``. Component ``mlp``: the MLP holds ~2/3 of a Llama layer's weight bytes; the
 ``layers`` knob extends it to the attention projections (``attn_proj``) too. The LM head and the
-embeddings are untouched (the LM head has its own plug point). The bf16 parameters stay in place:
-rows beyond ``max_m`` (prefill) use ``F.linear`` on them, and anything that reads the parameters
-directly (e.g. the static CUDA-graph forward, which calls ``F.linear`` itself) is unaffected.
+embeddings are untouched (the LM head has its own plug point). The eager forward and the static
+CUDA-graph forward (``models/static_forward.py``) both route these matrices through
+``linear_fns``. The bf16 parameters stay in place: rows beyond ``max_m`` (prefill) use
+``F.linear`` on them.
 
 Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
 1. *Bit-identical weights.* W12 stores sign and mantissa verbatim and every exponent either as a
@@ -21,8 +22,8 @@ Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
    weights (any bit pattern: NaN, ±Inf, denormals, -0.0).
 2. *Exact products, fp32 sums.* A bf16×bf16 product is exact in fp32, and each product
    ``x[m,k]·w[n,k]`` enters one fp32 accumulator exactly once (escapes through a separate small
-   ``tl.dot`` into the same accumulator; with ``escape_mode=cancel`` plus an exactly cancelling
-   pair of terms ``±x·p``, |p| ≤ 2^-14·max|w|), rounded to bf16 once at the end, bias added in
+   ``tl.dot`` into the same accumulator, plus an exactly cancelling pair of terms ``±x·p`` for the
+   placeholder the dense tile used, |p| ≤ 2^-14·max|w|), rounded to bf16 once at the end, bias added in
    fp32 before that rounding, as cuBLAS does.
 3. So the output differs from the stock ``F.linear`` only by the order of fp32 additions, which
    cuBLAS itself changes with the shape and the GPU (bound γ_K·Σ|x·w|, γ_K ≈ K·2^-24, before the
@@ -59,7 +60,7 @@ LAYER_SETS = {
 class W12Linear:
     """``fn(x [.., K], bias [N] | None) -> [.., N]``: F.linear over a W12 copy of ``weight``."""
 
-    def __init__(self, weight: Tensor, max_m: int, esc_zero: bool) -> None:
+    def __init__(self, weight: Tensor, max_m: int, prmt: bool) -> None:
         from specpilot.kernels.w12_gemm import counter_buffer
 
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
@@ -69,7 +70,7 @@ class W12Linear:
         if not torch.equal(decode(self.w12).view(torch.int16), weight.detach().view(torch.int16)):
             raise SpecPilotError("W12 round trip changed a weight; refusing to install it.")
         self.max_m = max_m
-        self.esc_zero = esc_zero
+        self.prmt = prmt
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -81,12 +82,12 @@ class W12Linear:
             return F.linear(x, self.weight, bias)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = w12_matmul(x2, self.w12, self.counters, bias, esc_zero=self.esc_zero)  # [M, N]
+        y = w12_matmul(x2, self.w12, self.counters, bias, prmt=self.prmt)  # [M, N]
         return y.view(*x.shape[:-1], n)
 
 
 def install(
-    model: Transformer, layers: str = "all", max_m: int = 64, escape_mode: str = "zero"
+    model: Transformer, layers: str = "all", max_m: int = 64, decoder: str = "prmt"
 ) -> dict[str, float]:
     """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts."""
     from specpilot.models.transformer import DecoderLayer
@@ -100,7 +101,7 @@ def install(
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         for name in names:
-            lin = W12Linear(getattr(layer, name), max_m, escape_mode == "zero")
+            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt")
             layer.linear_fns[name] = lin
             n, k = lin.w12.shape
             stored_bits += 8.0 * lin.w12.nbytes()
@@ -117,7 +118,7 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
         build.target.model,
         layers=knobs["layers"],
         max_m=knobs["max_m"],
-        escape_mode=knobs["escape_mode"],
+        decoder=knobs["decoder"],
     )
     build.notes.append(
         f"w12: {stats['bits_per_weight']:.3f} bits/weight, {100 * stats['escape_frac']:.4f}% escapes"
@@ -150,10 +151,10 @@ MECHANISM = Mechanism(
             doc="rows per call up to which the W12 kernel runs; more rows (prefill) use F.linear",
         ),
         Knob(
-            "escape_mode",
-            "zero",
-            choices=("zero", "cancel"),
-            doc="escapes decode to 0 (one select per weight) or to a tiny placeholder cancelled later",
+            "decoder",
+            "prmt",
+            choices=("prmt", "ops"),
+            doc="decode 4 weights per step with PTX byte permutes, or with plain Triton integer ops",
         ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),

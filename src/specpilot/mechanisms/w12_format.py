@@ -5,33 +5,41 @@ cast to bf16: ≈2.66 bits of exponent entropy), so W12 keeps sign and mantissa 
 the exponent by a 4-bit code:
 
 ``sm``       ``[N, K]`` uint8 — ``sign << 7 | mantissa``, for every weight (escapes included).
-``codes``    ``[N, ceil(K/2)]`` uint8 — exponent code of column ``2j`` in the low nibble, ``2j+1`` in
-             the high nibble (an odd K pads the last high nibble with the escape code).
-             Code ``c < 15`` means exponent ``top - c``; code 15 is the **escape**.
-``top``      one int per tensor: the codes cover the window ``[top - 14, top]`` (``15 <= top <= 255``)
-             that holds the most weights; the encoder picks it from the tensor's exponent histogram.
+``codes``    ``[N, G * 32]`` uint8 for ``G = ceil(K / 64)`` column groups of 64 — in group ``g``,
+             byte ``j`` holds the exponent code of column ``64g + j`` in its low nibble and of column
+             ``64g + 32 + j`` in its high nibble (columns past K, in the last group, get code 0).
+             Code ``c >= 1`` means exponent ``base + c``; code 0 is the **escape**.
+``base``     one int per tensor: codes 1..15 cover the window ``[base + 1, base + 15]``
+             (``0 <= base <= 240``) that holds the most weights; the encoder picks it from the
+             tensor's exponent histogram. An escape decodes to the placeholder exponent ``base``.
 ``esc_offsets`` ``[ceil(N/16) + 1]`` int32 — CSR offsets of the escapes of each block of 16 rows.
 ``esc_records`` ``[n_esc]`` int32 — one per escaped weight, ``((n % 16) * K + k) << 8 | exponent``,
              in row-major order (so each 16-row block's records are contiguous and sorted by k).
 
 Why this layout (GPU first):
 * **Fixed-size fields, no entropy coding in the hot path.** Every weight's byte and nibble sit at
-  an address computed from (n, k) alone, so a kernel tile ``[BLOCK_N, BLOCK_K]`` loads with two
-  coalesced vector loads and decodes with a handful of integer ops, in registers, with no
-  dependence on any other tile. 8 + 4 = 12 bits per weight.
-* **A window of consecutive exponents instead of a 16-entry codebook.** ``exponent = top - code``
-  is one multiply-add, where a free codebook needs a table lookup per weight. Weight exponent
+  an address computed from (n, k) alone, so a kernel tile loads with coalesced vector loads and
+  decodes in registers, with no dependence on any other tile. 8 + 4 = 12 bits per weight.
+* **Nibbles paired across half-groups, not neighbours.** A byte holds the codes of columns ``j``
+  and ``j + 32`` of its 64-column group, so a ``[BLOCK_N, 32]`` tile of code bytes lines up
+  element for element with the two ``[BLOCK_N, 32]`` tiles of ``sm`` it decodes (low nibbles with
+  the first half, high nibbles with the second): the kernel needs no interleave or shuffle, and
+  four weights decode from one 32-bit word of ``sm`` and one of codes with byte permutes
+  (``prmt``), ~2.5 integer instructions per weight (``kernels/w12_gemm.py``).
+* **A window of consecutive exponents instead of a 16-entry codebook.** ``exponent = base + code``
+  is one add (two weights per 32-bit add), where a free codebook needs a table lookup per weight. Weight exponent
   histograms are unimodal (a geometric tail below the largest magnitudes), so the best window of
   15 covers as much as the 15 most frequent exponents: on all-MiniLM-L6-v2 (bf16) the escapes are
   0.0245% of weights with the window against 0.0228% with a free top-15 set.
 * **Escapes out of line, per 16-row block, never serializing the kernel.** The kernel decodes an
-  escape as 0 (or as a small placeholder) inside the dense tile and adds the escaped weights back
+  escape as the placeholder (its own sign and mantissa, exponent ``base``: below every window
+  exponent) inside the dense tile, subtracts the placeholder's product and adds the escaped weights back
   once per program, after its K loop, as one more small ``tl.dot`` of gathered activation columns
   with a ``[32, BLOCK_N]`` tile that holds the escaped values (see ``kernels/w12_gemm.py``). A
   program reads only its own row blocks' records (one contiguous CSR range per 16 rows); nothing is
   prefix-summed or searched at run time. Records hold only the position and the exponent (sign and
   mantissa are already in ``sm``); 28 bits are used (K < 2**19).
-* **Metadata is tiny**: 32 bits per escape plus 32 bits per 16 rows, plus ``top``. At 0.025%
+* **Metadata is tiny**: 32 bits per escape plus 32 bits per 16 rows, plus ``base``. At 0.025%
   escapes that is ≈ 0.008 + 32 / (16·K) bits per weight: ≈ 12.01 bits/weight at K = 4096.
 
 ``decode`` reverses ``encode`` bit for bit for *any* bf16 input (NaN payloads, ±Inf, denormals,
@@ -44,15 +52,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 ESC_ROWS = 16
 """Rows per escape block (one CSR offset each). Kernel tiles use ``BLOCK_N % ESC_ROWS == 0``."""
-ESCAPE = 15
-"""The escape code; codes 0..14 name exponents ``top - code``."""
+ESCAPE = 0
+"""The escape code; codes 1..15 name exponents ``base + code``."""
 WINDOW = 15
 MIN_TOP = WINDOW
-"""Lowest allowed ``top``: keeps the escape placeholder exponent ``top - 15`` non-negative."""
+"""Lowest allowed window top ``base + 15``: keeps the placeholder exponent ``base`` non-negative."""
+GROUP = 64
+"""Columns per code group: byte ``j`` of a group pairs columns ``j`` and ``j + GROUP // 2``."""
+HALF = GROUP // 2
 MAX_K = 1 << 19
 """Records pack ``(n % 16) * K + k`` in 20 bits above the 8-bit exponent, so K < 2**19."""
 
@@ -62,8 +74,8 @@ class W12Tensor:
     """One ``[N, K]`` bf16 matrix in W12 (see the module docstring for the layout)."""
 
     sm: Tensor  # [N, K] uint8: sign << 7 | mantissa
-    codes: Tensor  # [N, ceil(K/2)] uint8: two 4-bit exponent codes per byte
-    top: int  # exponent named by code 0
+    codes: Tensor  # [N, ceil(K/64) * 32] uint8: codes of columns j, j + 32 of each 64-group
+    base: int  # placeholder exponent; code c >= 1 names exponent base + c
     esc_offsets: Tensor  # [ceil(N/16) + 1] int32: CSR offsets per 16-row block
     esc_records: Tensor  # [n_esc] int32: ((n % 16) * K + k) << 8 | exponent
 
@@ -80,7 +92,7 @@ class W12Tensor:
         return int(self.esc_records.numel())
 
     def nbytes(self) -> int:
-        """Bytes stored, all metadata included (``top`` counted as 4 bytes)."""
+        """Bytes stored, all metadata included (``base`` counted as 4 bytes)."""
         parts = (self.sm, self.codes, self.esc_offsets, self.esc_records)
         return sum(t.numel() * t.element_size() for t in parts) + 4
 
@@ -92,7 +104,7 @@ class W12Tensor:
         return W12Tensor(
             sm=self.sm.to(device),
             codes=self.codes.to(device),
-            top=self.top,
+            base=self.base,
             esc_offsets=self.esc_offsets.to(device),
             esc_records=self.esc_records.to(device),
         )
@@ -103,7 +115,8 @@ def _bits(w: Tensor) -> Tensor:  # [N, K] bf16 -> [N, K] int32 in [0, 65535]
 
 
 def choose_top(exponents: Tensor) -> int:
-    """The ``top`` whose window ``[top - 14, top]`` holds the most of ``exponents`` (lowest on ties)."""
+    """The top of the window ``[top - 14, top]`` that holds the most of ``exponents`` (lowest on
+    ties); the format's ``base`` is ``top - 15``."""
     hist = torch.bincount(exponents.reshape(-1), minlength=256).to(torch.int64).cpu()  # [256]
     csum = torch.cat([torch.zeros(1, dtype=torch.int64), hist.cumsum(0)])  # [257]
     tops = torch.arange(MIN_TOP, 256)
@@ -121,13 +134,13 @@ def encode(w: Tensor) -> W12Tensor:
     bits = _bits(w.contiguous())  # [N, K]
     exp = (bits >> 7) & 0xFF  # [N, K]
     sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)  # [N, K]
-    top = choose_top(exp)
-    code = top - exp  # [N, K]
-    esc = (code < 0) | (code >= WINDOW)
+    base = choose_top(exp) - WINDOW
+    code = exp - base  # [N, K]
+    esc = (code < 1) | (code > WINDOW)
     code = torch.where(esc, torch.full_like(code, ESCAPE), code)
-    if k % 2:
-        code = torch.cat([code, torch.full_like(code[:, :1], ESCAPE)], dim=1)
-    codes = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)  # [N, ceil(K/2)]
+    groups = (k + GROUP - 1) // GROUP
+    code = F.pad(code, (0, groups * GROUP - k), value=ESCAPE).view(n, groups, 2, HALF)
+    codes = (code[:, :, 0] | (code[:, :, 1] << 4)).to(torch.uint8).reshape(n, groups * HALF)
 
     rows, cols = esc.nonzero(as_tuple=True)  # row-major: sorted by (n, k)
     records = ((((rows % ESC_ROWS) * k + cols) << 8) | exp[rows, cols]).to(torch.int32)
@@ -138,7 +151,7 @@ def encode(w: Tensor) -> W12Tensor:
     return W12Tensor(
         sm=sm,
         codes=codes,
-        top=top,
+        base=base,
         esc_offsets=offsets.to(torch.int32),
         esc_records=records,
     )
@@ -148,9 +161,9 @@ def decode(t: W12Tensor) -> Tensor:
     """W12 -> ``[N, K]`` bf16, bit-identical to what was encoded."""
     n, k = t.shape
     sm = t.sm.to(torch.int32)  # [N, K]
-    c = t.codes.to(torch.int32)  # [N, ceil(K/2)]
-    code = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(n, -1)[:, :k]  # [N, K]
-    exp = t.top - code
+    c = t.codes.to(torch.int32).view(n, -1, HALF)  # [N, groups, 32]
+    code = torch.stack([c & 0xF, c >> 4], dim=2).reshape(n, -1)[:, :k]  # [N, K]
+    exp = t.base + code
     rec = t.esc_records.to(torch.int64)  # [n_esc]
     if rec.numel():
         block_of = torch.repeat_interleave(

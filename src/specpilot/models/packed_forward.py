@@ -146,7 +146,7 @@ class PackedVerify:
         eps = cfg.rms_norm_eps
         model = fwd.model
         hn = fwd.norm(x, layer.input_norm)
-        qkv = F.linear(hn, layer.w_qkv, layer.b_qkv)  # [M, q + 2kv]
+        qkv = fwd.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         if fwd._k is not None:  # one fused launch: RoPE, K/V write, query scatter
             qb = fwd._k.rope_qkv_write_packed(
                 qkv.contiguous(),
@@ -175,11 +175,11 @@ class PackedVerify:
             .permute(0, 3, 1, 2, 4)
             .reshape(batch * width, cfg.q_size)
         )
-        x = fwd._linear_residual(x, o.index_select(0, gather_index), layer.w_o)  # [M, hidden]
+        x = fwd.linear_residual(x, o.index_select(0, gather_index), layer, "w_o")  # [M, hidden]
         hn = fwd.norm(x, layer.post_attn_norm)
-        gate_up = F.linear(hn, layer.w_gate_up)  # [M, 2I]
+        gate_up = fwd.linear(layer, "w_gate_up", hn)  # [M, 2I]
         act = fwd._k.silu_mul(gate_up) if fwd._k is not None else reference.silu_mul_ref(gate_up)
-        return fwd._linear_residual(x, act, layer.w_down)
+        return fwd.linear_residual(x, act, layer, "w_down")
 
     def __call__(
         self,

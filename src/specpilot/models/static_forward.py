@@ -83,11 +83,20 @@ class StaticForward:
             return self._k.rms_norm(x, weight, self.cfg.rms_norm_eps)
         return reference.rms_norm_ref(x, weight, self.cfg.rms_norm_eps)
 
-    def _linear_residual(self, x: Tensor, a: Tensor, w: Tensor) -> Tensor:
-        """``x + a @ w.T`` for ``x [M, N]``, ``a [M, K]``, ``w [N, K]``."""
-        if self.fuse_residual:
-            return torch.addmm(x, a, w.t())
-        return x + F.linear(a, w)
+    @staticmethod
+    def linear(layer: DecoderLayer, name: str, a: Tensor, b: Tensor | None = None) -> Tensor:
+        """``a @ W.T (+ b)`` for the layer's matrix ``name``, through the kernel a mechanism
+        installed in ``layer.linear_fns`` (e.g. W12) when there is one."""
+        fn = layer.linear_fns.get(name)
+        if fn is not None:
+            return fn(a, b)
+        return F.linear(a, getattr(layer, name), b)
+
+    def linear_residual(self, x: Tensor, a: Tensor, layer: DecoderLayer, name: str) -> Tensor:
+        """``x + a @ W.T`` for ``x [M, N]``, ``a [M, K]``, ``W = layer.<name> [N, K]``."""
+        if self.fuse_residual and name not in layer.linear_fns:
+            return torch.addmm(x, a, getattr(layer, name).t())
+        return x + self.linear(layer, name, a)
 
     def rope_write(
         self,
@@ -170,7 +179,7 @@ class StaticForward:
         cfg = self.cfg
         m, t = x.shape[0], x.shape[0] // batch
         hn = self.norm(x, layer.input_norm)
-        qkv = F.linear(hn, layer.w_qkv, layer.b_qkv)  # [M, q + 2kv]
+        qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         q = self.rope_write(qkv, cfg.num_heads, layer, k_cache, v_cache, positions, batch)
         attn = F.scaled_dot_product_attention(
             q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len], attn_mask=mask
@@ -180,11 +189,11 @@ class StaticForward:
             .permute(0, 3, 1, 2, 4)
             .reshape(m, cfg.q_size)
         )
-        x = self._linear_residual(x, o, layer.w_o)
+        x = self.linear_residual(x, o, layer, "w_o")
         hn = self.norm(x, layer.post_attn_norm)
-        gate_up = F.linear(hn, layer.w_gate_up)  # [M, 2I]
+        gate_up = self.linear(layer, "w_gate_up", hn)  # [M, 2I]
         act = self._k.silu_mul(gate_up) if self._k is not None else reference.silu_mul_ref(gate_up)
-        return self._linear_residual(x, act, layer.w_down)
+        return self.linear_residual(x, act, layer, "w_down")
 
     # ------------------------------------------------------------------ whole passes
     def run_layers(

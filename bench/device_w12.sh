@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One device call for W12: GPU correctness of the PTX decode, kernel sweep, end to end.
+#   bash bench/device_w12.sh "$OUT"
+set -u
+out=${1:?output dir}
+export PYTHONPATH=src
+mkdir -p "$out"
+step() { local name=$1 limit=$2; shift 2; echo "== $name"; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "rc=$?" >> "$out/$name.log"; tail -n 25 "$out/$name.log"; }
+step pytest 120 python3 -m pytest -q tests/test_w12.py -k "gpu or kernel"
+step w12 240 python3 bench/w12_gpu.py --out "$out/w12" --budget-s 110
+step e2e 200 python3 bench/w12_e2e_gpu.py --out "$out/e2e" --kernel-json "$out/w12/w12_gpu.json"
