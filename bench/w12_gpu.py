@@ -73,15 +73,22 @@ SWEEP: dict[str, tuple[GemmConfig, ...]] = {
         GemmConfig(block_n=64, block_k=512, num_warps=8, num_stages=2),
         GemmConfig(block_n=128, block_k=256, num_warps=8, num_stages=3),
         GemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=3),
+        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
+        GemmConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
+        GemmConfig(block_n=64, block_k=512, num_warps=4, num_stages=2, w_as_a=True),
     ),
     "m64": (
         GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
         GemmConfig(block_n=64, block_k=256, num_warps=8, num_stages=3),
+        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
     ),
 }
 TINY_SWEEP: dict[str, tuple[GemmConfig, ...]] = {
     "m1": (GemmConfig(block_n=16, block_k=64, use_dot=False), GemmConfig(block_n=16, block_k=64)),
-    "m16": (GemmConfig(block_n=16, block_k=64), GemmConfig(block_n=32, block_k=64, split_k=2)),
+    "m16": (
+        GemmConfig(block_n=16, block_k=64),
+        GemmConfig(block_n=32, block_k=64, split_k=2, w_as_a=True),
+    ),
     "m64": (GemmConfig(block_n=32, block_k=64),),
 }
 

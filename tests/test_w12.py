@@ -201,6 +201,8 @@ def test_prmt_decode_on_gpu() -> None:
         (7, 80, 320, GemmConfig(block_n=16, block_k=64, split_k=2)),
         (16, 128, 4096, GemmConfig()),
         (33, 64, 576, GemmConfig(block_n=64, block_k=128)),
+        (16, 128, 4096, GemmConfig(w_as_a=True)),
+        (7, 80, 320, GemmConfig(block_n=64, block_k=64, split_k=2, w_as_a=True)),
     ]):  # fmt: skip
         w = _weights(n, k, 20 + i).to(dev)
         t = encode(w)
@@ -258,6 +260,7 @@ def _group_kernel() -> None:
         (1, 40, 64, GemmConfig(block_n=16, block_k=64), False),
         (5, 48, 135, GemmConfig(block_n=16, block_k=64, split_k=2), True),
         (17, 32, 200, GemmConfig(block_n=32, block_k=64, split_k=3), False),
+        (5, 48, 135, GemmConfig(block_n=16, block_k=64, split_k=2, w_as_a=True), True),
         (64, 16, 256, GemmConfig(block_n=16, block_k=128), False),
     ]
     for i, (m, n, k, cfg, has_bias) in enumerate(cases):

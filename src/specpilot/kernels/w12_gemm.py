@@ -216,7 +216,7 @@ def _store_tile(
 def _w12_half(
     acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K, base,
     HIGH: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PRMT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    W_AS_A: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Half a code group: the 32 columns ``kc`` whose codes are the low (or ``HIGH``) nibbles of
     ``cb [BN, 32]``; decode them and accumulate ``x[:, kc] @ w[:, kc]^T``."""
@@ -229,13 +229,17 @@ def _w12_half(
         sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
     if PRMT:  # GPU only: the interpreter cannot run inline PTX
         w = _decode_prmt(sm, cb, tl.full(sm.shape, base * 0x800080, tl.int32), HIGH)  # [BN, 32]
-        if USE_DOT:
+        if USE_DOT and W_AS_A:  # acc^T [BN, BM] += w @ x^T: the decoded tile is the A operand
+            acc = tl.dot(w, tl.trans(x), acc)
+        elif USE_DOT:
             acc = tl.dot(x, tl.trans(w), acc)
         else:  # BLOCK_M == 1
             acc += w.to(tl.float32) * x.to(tl.float32)
     else:
         bits = _decode_ops(sm, cb, base, HIGH)  # [BN, 32]
-        if USE_DOT:
+        if USE_DOT and W_AS_A:
+            acc = tl.dot(_bits_to_operand(bits, INTERPRET), tl.trans(_x_operand(x, INTERPRET)), acc)
+        elif USE_DOT:
             acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_bits_to_operand(bits, INTERPRET)), acc)
         else:  # BLOCK_M == 1
             acc += _bits_to_f32(bits) * _bf16_to_f32(x)
@@ -246,7 +250,8 @@ def _w12_half(
 def _k_step(
     acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
     K, codes_k, base, W12: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
-    PRMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+    PRMT: tl.constexpr, W_AS_A: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_K`` step of the dense loop: load x and the weight tile, decode, accumulate."""
     if W12:  # BLOCK_K // GROUP code groups, each two halves of GROUP // 2 columns
@@ -263,11 +268,11 @@ def _k_step(
                 cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
             acc = _w12_half(
                 acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K,
-                base, False, USE_DOT, EVEN, PRMT, INTERPRET,
+                base, False, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
             )  # fmt: skip
             acc = _w12_half(
                 acc, kc + HALF, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr,
-                cb, K, base, True, USE_DOT, EVEN, PRMT, INTERPRET,
+                cb, K, base, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
             )  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
@@ -308,6 +313,7 @@ def _linear_kernel(
     split,  # number of splits (grid dim 2)
     W12: tl.constexpr,
     PRMT: tl.constexpr,  # W12 decode with inline PTX byte permutes (GPU), else plain Triton ops
+    W_AS_A: tl.constexpr,  # W12 tile as the dot's A operand (accumulate y^T), else as B
     HAS_BIAS: tl.constexpr,
     USE_DOT: tl.constexpr,
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no N/K masks in the loop
@@ -330,7 +336,9 @@ def _linear_kernel(
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
 
-    if USE_DOT:
+    if USE_DOT and W12 and W_AS_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     elif W12:  # BLOCK_M == 1: per-lane partial sums, reduced once after the loop
         acc = tl.zeros((BLOCK_N, GROUP // 2), dtype=tl.float32)
@@ -341,17 +349,21 @@ def _linear_kernel(
         while k0 < k_hi:
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, BLOCK_K, GROUP, INTERPRET,
+                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
+                INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
     else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, BLOCK_K, GROUP, INTERPRET,
+                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
+                INTERPRET,
             )  # fmt: skip
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
+    elif W12 and W_AS_A:
+        acc = tl.trans(acc)  # [BM, BN]
 
     if W12:  # add the escaped weights' products and remove the placeholders'
         n_blocks = (N + ESC_BLOCK_ROWS - 1) // ESC_BLOCK_ROWS
@@ -407,6 +419,9 @@ class GemmConfig:
     """Number of K splits; 0 picks enough to give every SM about two programs."""
     use_dot: bool = True
     """False: one-row FMA GEMV (only used when M == 1)."""
+    w_as_a: bool = False
+    """W12 only: the decoded weight tile is the dot's A operand (``acc^T += w @ x^T``), which lets
+    Hopper's ``wgmma`` read it from registers; False: the B operand (``acc += x @ w^T``)."""
 
     def __post_init__(self) -> None:
         if self.block_n % ESC_ROWS or self.block_n < ESC_ROWS:
@@ -499,7 +514,8 @@ def _launch(
         x, w_arg, sm, codes, offs, recs,
         bias if bias is not None else x, y, part, counters,
         m, n, k, x.stride(0), y.stride(0), codes.shape[-1], base, k_split, split,
-        W12=w12 is not None, PRMT=prmt and not interpret, HAS_BIAS=bias is not None,
+        W12=w12 is not None, PRMT=prmt and not interpret, W_AS_A=cfg.w_as_a,
+        HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN=even, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP=GROUP, ESC_BLOCK_ROWS=ESC_ROWS, ESC_STEP=ESC_CHUNK, MAX_SPLIT=MAX_SPLIT_K,
         INTERPRET=interpret,
