@@ -104,6 +104,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         slots=args.max_concurrency,
         segment_tokens=resolve_segment_tokens(dep.build.config, args.segment_tokens),
         block_policy=dep.build.block_policy,
+        prefilter=dep.build.prefilter,
     )
     settings = ServeSettings(
         model_name=args.served_model_name or dep.target.spec,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.static_base import StaticDrafter
-from specpilot.engine.batching import BatchScheduler, BlockPolicy
+from specpilot.engine.batching import BatchScheduler, BlockPolicy, DraftPrefilter
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.loop import SpecEngine, VerifyFn
 from specpilot.engine.strategy import VerifyStrategy
@@ -38,6 +38,8 @@ class EngineBuild:
     """Verify strategy (plug point ``verify_strategy``); None = the chain with ``verify_fn``."""
     block_policy: BlockPolicy | None = None
     """Per-request block length in batched mode (plug point ``drafter_schedule``); None = k."""
+    prefilter: DraftPrefilter | None = None
+    """Cuts each row's drafts before the batched verify (plug point ``drafter_schedule``)."""
     width_policy: WidthPolicy | None = None
     """Per-row verify widths of the static batched engine (plug point ``drafter_schedule``)."""
     packed_bucket: int = 0
@@ -65,6 +67,7 @@ class EngineBuild:
             max_context=max_context,
             block_policy=self.block_policy,
             verify_fn=self.verify_fn,
+            prefilter=self.prefilter,
         )
 
     def check_scheduler(self) -> None:

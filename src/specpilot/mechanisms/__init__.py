@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
+from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
     COMPONENTS,
@@ -35,6 +36,7 @@ _ALL: tuple[Mechanism, ...] = (
     ROW_BLOCK_LEN,
     STATIC_TREE_VERIFY,
     RAGGED_TREES,
+    FP8_PREFILTER,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

@@ -5,6 +5,9 @@ tokens whose K/V it holds per row (``fed``), and on every call compares them wit
 is asked about: the cache rolls back (free, ``KVCache.commit``) to the common prefix, and only the
 new tail is fed. So whatever the engine committed or rejected, the cheap cache holds exactly the
 K/V of a prefix of the sequence it scores.
+
+A call may pass fewer rows than the scorer holds (the continuous-batching scheduler runs only the
+slots up to the highest occupied one): they are its first rows, and the others keep their K/V.
 """
 
 from __future__ import annotations
@@ -34,33 +37,56 @@ class CheapScorer:
         if self._cache is not None:
             self._cache.reset()
 
-    def _ensure(self, batch: int, longest: int) -> KVCache:
-        if len(self._fed) != batch:
-            self.start(batch)
-        cache = self._cache
-        if cache is None or cache.max_seq_len < longest + 1:
-            size = min(longest + SLACK, self.model.max_positions)
-            cache = self.model.allocate_cache(batch, max(size, longest + 1))
-            self._cache = cache
-            self._fed = [[] for _ in range(batch)]  # a fresh cache: re-prefill every row
-        return cache
+    @property
+    def rows(self) -> int:
+        """Rows the scorer holds (``start``, or grown by a wider call)."""
+        return len(self._fed)
+
+    def cached(self, row: int) -> list[int]:
+        """The tokens whose K/V row ``row`` holds (a prefix of the last sequence it scored)."""
+        return list(self._fed[row]) if row < len(self._fed) else []
+
+    def _ensure(self, need: int) -> tuple[KVCache, bool]:
+        """A cache of every row with at least ``need`` slots; True when it is new (empty)."""
+        cache, rows = self._cache, len(self._fed)
+        if cache is not None and cache.max_seq_len >= need:
+            return cache, False
+        size = min(need + SLACK, self.model.max_positions)
+        self._cache = self.model.allocate_cache(rows, max(size, need))
+        self._fed = [[] for _ in range(rows)]  # a fresh cache: re-prefill every row
+        return self._cache, True
+
+    def _common(self, row: int, seq: Sequence[int], p0: int) -> int:
+        """Tokens of ``seq`` whose K/V the row holds; the token at ``p0 - 1`` is always (re)fed."""
+        fed = self._fed[row]
+        common, limit = 0, min(len(fed), p0 - 1)
+        while common < limit and fed[common] == seq[common]:
+            common += 1
+        return common
 
     @torch.inference_mode()
     def greedy_after(self, seqs: Sequence[Sequence[int]], first: Sequence[int]) -> list[list[int]]:
         """Per row b, the cheap model's greedy token after ``seqs[b][:p]`` for every
         ``p = first[b] .. len(seqs[b])`` (so ``len(seqs[b]) - first[b] + 1`` tokens; 1 ≤ first[b])."""
         b = len(seqs)
-        cache = self._ensure(b, max(len(s) for s in seqs))
-        dev = self.model.device
-        tails: list[list[int]] = []
-        skip: list[int] = []  # per row: tail rows before the first one whose argmax is wanted
+        if len(self._fed) < b:
+            self.start(b)
         for row, (seq, p0) in enumerate(zip(seqs, first, strict=True)):
             if not 1 <= p0 <= len(seq):
                 raise ValueError(f"row {row}: first={p0} outside 1..{len(seq)}")
-            fed = self._fed[row]
-            common, limit = 0, min(len(fed), p0 - 1)  # the token at p0 - 1 is always (re)fed
-            while common < limit and fed[common] == seq[common]:
-                common += 1
+        commons = [
+            self._common(row, s, p0) for row, (s, p0) in enumerate(zip(seqs, first, strict=True))
+        ]
+        width = max(len(s) - c for s, c in zip(seqs, commons, strict=True))
+        # Every row is padded to ``width`` from its own length: the widest write ends there.
+        full, fresh = self._ensure(max(commons) + width + 1)
+        if fresh:
+            commons = [0] * b
+        cache = full if b == full.batch_size else full.rows(b)
+        dev = self.model.device
+        tails: list[list[int]] = []
+        skip: list[int] = []  # per row: tail rows before the first one whose argmax is wanted
+        for row, (seq, p0, common) in enumerate(zip(seqs, first, commons, strict=True)):
             cache.commit(row, common)
             self._fed[row] = list(seq[:common])
             tails.append(list(seq[common:]))
@@ -77,7 +103,14 @@ class CheapScorer:
             ],
             dtype=torch.int64,
         )  # [B, R]: the tail rows whose greedy token is wanted (short rows repeat their last)
-        greedy = self.model.forward_argmax(chunk.to(dev), cache, logits_rows=rows.to(dev))
+        start = cache.lengths.to(dev)
+        # Padding past a short row's tail may run past the RoPE table; its K/V is never read.
+        positions = (start[:, None] + torch.arange(width, device=dev)).clamp(
+            max=self.model.max_positions - 1
+        )  # [B, T]
+        greedy = self.model.forward_argmax(
+            chunk.to(dev), cache, positions=positions, logits_rows=rows.to(dev)
+        )
         greedy_l = greedy.tolist()  # [B, R]
         for row, tail in enumerate(tails):
             cache.commit(row, int(cache.lengths[row]) + len(tail))

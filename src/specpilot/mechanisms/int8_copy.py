@@ -110,13 +110,9 @@ class Int8ArgmaxHead:
         return self.linear(x).argmax(dim=-1)
 
 
-def cheap_model(
-    target: Transformer,
-    max_m: int = 64,
-    lm_head: bool = True,
-    use_triton: bool | None = None,
-) -> Transformer:
-    """A model sharing ``target``'s tensors whose linear layers (and LM head) read INT8 copies."""
+def shared_model(target: Transformer) -> Transformer:
+    """A :class:`Transformer` holding ``target``'s own tensors (nothing copied), for a cheap copy
+    to replace its linear layers (``DecoderLayer.linear_fns``) and greedy head."""
     cheap = Transformer(target.cfg, dtype=target.dtype, device="meta", max_positions=1)
     for name, param in target.named_parameters(recurse=False):
         setattr(cheap, name, param)
@@ -127,6 +123,19 @@ def cheap_model(
         assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
         for name, param in src.named_parameters(recurse=False):
             setattr(dst, name, param)
+    return cheap
+
+
+def cheap_model(
+    target: Transformer,
+    max_m: int = 64,
+    lm_head: bool = True,
+    use_triton: bool | None = None,
+) -> Transformer:
+    """A model sharing ``target``'s tensors whose linear layers (and LM head) read INT8 copies."""
+    cheap = shared_model(target)
+    for src, dst in zip(target.layers, cheap.layers, strict=True):
+        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
         for name in LINEAR_NAMES:
             dst.linear_fns[name] = Int8Linear(getattr(src, name), max_m, use_triton)
     if lm_head:
@@ -156,4 +165,5 @@ __all__ = [
     "dequantize",
     "int8_nbytes",
     "quantize",
+    "shared_model",
 ]

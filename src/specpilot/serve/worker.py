@@ -22,7 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpilot.engine import SpecEngine
-from specpilot.engine.batching import BatchScheduler, BlockPolicy, Request, RequestResult
+from specpilot.engine.batching import (
+    BatchScheduler,
+    BlockPolicy,
+    DraftPrefilter,
+    Request,
+    RequestResult,
+)
 from specpilot.forcing import force_tokens
 from specpilot.loading import TextTokenizer
 from specpilot.serve.metrics import ServerMetrics
@@ -106,6 +112,7 @@ class EngineWorker:
         slots: int = 4,
         segment_tokens: int = 256,
         block_policy: BlockPolicy | None = None,
+        prefilter: DraftPrefilter | None = None,
     ) -> None:
         self.engine = engine
         """Target, drafter and verifier; the scheduler is built from them when the thread starts."""
@@ -116,6 +123,7 @@ class EngineWorker:
         self.slots = slots
         self.segment_tokens = segment_tokens
         self.block_policy = block_policy
+        self.prefilter = prefilter
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._jobs: queue.Queue[Job | Callable[[], None] | None] = queue.Queue()
@@ -153,6 +161,7 @@ class EngineWorker:
             segment_tokens=self.segment_tokens,
             block_policy=self.block_policy,
             verify_fn=self.engine.verify_fn,
+            prefilter=self.prefilter,
         )
 
     def _run(self) -> None:

@@ -1,7 +1,15 @@
 """Continuous batching: requests join and leave a running batch of slots between steps."""
 
 from specpilot.engine.batching.block import BlockPolicy
+from specpilot.engine.batching.prefilter import DraftPrefilter
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.batching.scheduler import BatchScheduler
 
-__all__ = ["BatchScheduler", "BlockPolicy", "Request", "RequestResult", "StepReport"]
+__all__ = [
+    "BatchScheduler",
+    "BlockPolicy",
+    "DraftPrefilter",
+    "Request",
+    "RequestResult",
+    "StepReport",
+]

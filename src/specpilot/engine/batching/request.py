@@ -50,3 +50,5 @@ class StepReport:
     """Rows that fed a prompt segment in this step's forward."""
     forward_tokens: int = 0
     """Width of the padded forward: rows x tokens per row (what the target computed)."""
+    drafted: int = 0
+    """Drafted tokens the forward verified, over all rows (after any draft pre-filter)."""

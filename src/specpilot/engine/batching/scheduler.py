@@ -4,7 +4,8 @@ Each slot holds one request. Per step (one target forward for every slot at once
 
 1. **admit** — waiting requests take free slots (their KV length is set to 0: rollback is free);
 2. **draft** — the drafter proposes for the rows that are decoding, each row at most its own
-   block length (``BlockPolicy``) and never past its own remaining budget;
+   block length (``BlockPolicy``) and never past its own remaining budget; an optional
+   ``DraftPrefilter`` may then cut each row's drafts to a prefix (never anything else);
 3. **forward** — one ragged forward: a decoding row feeds ``[pending, d_1..d_n]``, a row still in
    prefill feeds the next ``segment_tokens`` of its prompt (segment admission: a long prompt is
    spread over several steps so running decodes keep committing every step), a free slot below
@@ -32,6 +33,7 @@ import torch
 
 from specpilot.drafters.base import Drafter, RowResettable
 from specpilot.engine.batching.block import BlockPolicy
+from specpilot.engine.batching.prefilter import DraftPrefilter
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.strategy import VerifyFn
 from specpilot.engine.verify import cut_at_stop, greedy_verify
@@ -76,6 +78,7 @@ class BatchScheduler:
         max_context: int | None = None,
         block_policy: BlockPolicy | None = None,
         verify_fn: VerifyFn = greedy_verify,
+        prefilter: DraftPrefilter | None = None,
     ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
@@ -86,6 +89,7 @@ class BatchScheduler:
         self.segment_tokens = segment_tokens
         self.block_policy = block_policy
         self.verify_fn = verify_fn
+        self.prefilter = prefilter
         self.max_context = min(max_context or target.max_positions, target.max_positions)
         width = max(segment_tokens, self.k + 1)  # widest row a forward can feed
         self.cache = target.allocate_cache(slots, self.max_context + width)
@@ -200,6 +204,7 @@ class BatchScheduler:
         outcome = self.verify_fn(draft_t.to(dev), lens, argmax)
         accepted, bonus = outcome.accepted_len.tolist(), outcome.bonus.tolist()
         report.forward_tokens = b * width
+        report.drafted = sum(len(d) for d in drafts)
         for row, slot in enumerate(self._slots[:b]):
             if slot is None:
                 continue
@@ -269,6 +274,8 @@ class BatchScheduler:
             drafts = [
                 p[: min(n, m)] for p, n, m in zip(proposed, proposal.lengths, max_lens, strict=True)
             ]
+            if self.prefilter is not None:
+                drafts = self._prefilter(drafts)
         inputs: list[list[int]] = []
         for slot, d in zip(self._slots, drafts, strict=True):
             if slot is None:
@@ -279,6 +286,15 @@ class BatchScheduler:
                 prompt = slot.request.prompt_ids
                 inputs.append(list(prompt[slot.prefilled : slot.prefilled + self.segment_tokens]))
         return inputs, drafts
+
+    def _prefilter(self, drafts: list[list[int]]) -> list[list[int]]:
+        """Each row keeps a prefix of its own drafts, as long as the pre-filter says (clamped)."""
+        assert self.prefilter is not None
+        contexts = [s.context if s is not None and s.decoding else None for s in self._slots]
+        keep = self.prefilter(contexts, drafts)
+        if len(keep) != len(drafts):
+            raise ValueError(f"the draft pre-filter gave {len(keep)} rows, expected {len(drafts)}")
+        return [d[: max(0, min(len(d), int(n)))] for d, n in zip(drafts, keep, strict=True)]
 
     def _block(self, slot: _Slot) -> int:
         if self.block_policy is None:
