@@ -38,6 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from w12_gpu import copy_bandwidth, git_rev, sync, time_calls
 
+from specpilot.bench.two_level import agreement, forward_time
 from specpilot.drafters.base import DraftProposal
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile
 from specpilot.engine import SpecEngine
@@ -164,44 +165,6 @@ class OracleDrafter:
         return DraftProposal(tokens=torch.tensor([window], dtype=torch.int64), lengths=[n])
 
 
-def agreement(target: Transformer, cheap: Transformer, seq: list[int], chunk: int) -> float:
-    """Teacher-forced: the fraction of positions where the cheap model's greedy token equals the
-    target's (both fed ``seq`` in chunks of ``chunk`` tokens, i.e. at verify widths)."""
-    dev = target.device
-    same = total = 0
-    with torch.inference_mode():
-        caches = [m.allocate_cache(1, len(seq) + chunk) for m in (target, cheap)]
-        for s in range(0, len(seq) - 1, chunk):
-            toks = torch.tensor([seq[s : s + chunk]], device=dev)
-            outs = []
-            for model, cache in zip((target, cheap), caches, strict=True):
-                outs.append(model.forward_argmax(toks, cache)[0])
-                cache.commit(0, s + toks.shape[1])
-            nxt = min(toks.shape[1], len(seq) - 1 - s)
-            same += int((outs[0][:nxt] == outs[1][:nxt]).sum())
-            total += nxt
-    return same / max(total, 1)
-
-
-def forward_time(
-    model: Transformer, prefix: int, width: int, dev: torch.device, reps: int
-) -> float:
-    """Median seconds of one eager ``forward_argmax`` of ``width`` tokens after ``prefix``."""
-    cache = model.allocate_cache(1, prefix + width + 1)
-    cache.commit(0, prefix)
-    toks = torch.ones(1, width, dtype=torch.int64, device=dev)
-    times = []
-    with torch.inference_mode():
-        for i in range(reps + 2):
-            sync(dev)
-            t0 = time.perf_counter()
-            model.forward_argmax(toks, cache).tolist()
-            sync(dev)
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_engine(target: Transformer, drafter: Any, prompt: list[int], max_new: int,
                reps: int, dev: torch.device) -> dict[str, Any]:  # fmt: skip
     walls, res, engine = [], None, None
@@ -251,9 +214,9 @@ def bench_e2e(
             continue
         profile = AcceptanceProfile.parse(ptext)
         k = profile.k
-        t_v = {w: forward_time(target, prompt_len + 64, w, dev, fr) for w in (k + 1, k + 2, k + 6)}
-        t_cb = forward_time(cheap, prompt_len + 64, k + 1, dev, fr)
-        t_cs = forward_time(cheap, prompt_len + 64, 1, dev, fr)
+        t_v = {w: forward_time(target, prompt_len + 64, w, fr) for w in (k + 1, k + 2, k + 6)}
+        t_cb = forward_time(cheap, prompt_len + 64, k + 1, fr)
+        t_cs = forward_time(cheap, prompt_len + 64, 1, fr)
         for variant, ext in (("one-level", -1), ("correct", 0), ("correct-extend", 4)):
             inner = OracleDrafter(prompt, oracle, profile, vocab, seed=1)
             drafter = inner if ext < 0 else TwoLevelDrafter(inner, cheap, ext)

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from conftest import run_interpreted, tiny_config, tiny_model
+from specpilot.bench.two_level import agreement, survival
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
-from specpilot.engine import SpecEngine
+from specpilot.engine import AcceptanceStats, SpecEngine
 from specpilot.engine.verify import greedy_verify
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import MECHANISMS
@@ -109,8 +110,10 @@ def test_two_level_equals_ar(cfg_kw, seed):
             assert [r.tokens for r in res] == want, f"{inner.name} k={k} ext={ext} batched"
             assert drafter.stats.rows > 0
     drafter = TwoLevelDrafter(NgramDrafter(k=3), cheap, 2)  # rows alone (batch-1 fast path)
-    single = [SpecEngine(target, drafter).generate([p], max_new, eos)[0].tokens for p in prompts]
-    assert single == want
+    runs = [SpecEngine(target, drafter).generate([p], max_new, eos)[0] for p in prompts]
+    assert [r.tokens for r in runs] == want
+    cycles = sum(r.stats.cycles for r in runs)  # one block forward + up to 2 extension steps each
+    assert cycles <= drafter.stats.forwards <= 3 * cycles
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -165,6 +168,35 @@ def test_int8_cheap_level_agrees_with_its_target():
     cheap = cheap_model(target)
     got = cheap.forward_argmax(seq, cheap.allocate_cache(1, 64))  # [1, T]
     assert float((got == exact).float().mean()) >= 0.9
+
+
+# ---------------------------------------------------------------- bench measurements
+def test_agreement_counts_the_continuation_positions() -> None:
+    """Chunked teacher forcing equals one full forward of each model, over the positions that
+    predict a token after the prefix; a model agrees with itself everywhere."""
+    cfg = tiny_config(vocab=61)
+    target, other = tiny_model(cfg, 0), tiny_model(cfg, 9)
+    rng = random.Random(1)
+    seq = [rng.randrange(61) for _ in range(30)]
+    full = [
+        m(torch.tensor([seq]), m.allocate_cache(1, 31)).logits[0].argmax(-1)
+        for m in (target, other)
+    ]  # [T] each
+    for prefix, chunk in ((0, 4), (11, 5), (29, 3)):
+        first = max(prefix - 1, 0)
+        same = (full[0][first : len(seq) - 1] == full[1][first : len(seq) - 1]).float().mean()
+        assert agreement(target, other, seq, chunk, prefix) == pytest.approx(float(same))
+        assert agreement(target, target, seq, chunk, prefix) == 1.0
+
+
+def test_survival_from_the_acceptance_histogram() -> None:
+    stats = AcceptanceStats()
+    for drafted, accepted in ((4, 0), (4, 2), (3, 3), (0, 0), (4, 4)):
+        stats.record(drafted, accepted, accepted + 1)
+    surv = survival(stats)
+    assert surv == pytest.approx([3 / 5, 3 / 5, 2 / 5, 1 / 5])
+    assert 1 + sum(surv) == pytest.approx(stats.mean_accepted_len)
+    assert survival(AcceptanceStats()) == []
 
 
 # ---------------------------------------------------------------- cost model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,24 @@ def simulation_label(args: argparse.Namespace) -> str:
     )
 
 
+def git_rev() -> str:
+    """The short commit hash of the working tree (``unknown`` outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
 def run_header(label: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The label, date, machine and arguments every GPU bench JSON starts with."""
+    """The label, date, commit, machine and arguments every GPU bench JSON starts with."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine()
     return {
         "label": label,
         "date": datetime.date.today().isoformat(),
+        "commit": git_rev(),
         "machine": {"device": name, "torch": torch.__version__},
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }

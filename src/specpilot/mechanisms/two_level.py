@@ -39,7 +39,7 @@ or when the cheap model is far from the target.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,6 +70,12 @@ class TwoLevelStats:
     """Row-cycles where the cheap model replaced a drafted token."""
     appended: int = 0
     """Cheap tokens put in blocks: replacements, free next tokens and extensions."""
+    forwards: int = 0
+    """Cheap-model forwards (one per block, one per extension step; each covers every row)."""
+
+    def merge(self, other: TwoLevelStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -78,6 +84,7 @@ class TwoLevelStats:
             "kept": self.kept,
             "replaced": self.replaced,
             "appended": self.appended,
+            "forwards": self.forwards,
             "kept_frac": self.kept / max(self.drafted, 1),
         }
 
@@ -109,6 +116,7 @@ class TwoLevelDrafter:
         if rows:
             seqs = [[*contexts[b], *drafts[b][: inner.lengths[b]]] for b in range(len(contexts))]
             greedy = self.scorer.greedy_after(seqs, [len(c) for c in contexts])
+            self.stats.forwards += 1
             for b in rows:
                 drafted = drafts[b][: inner.lengths[b]]
                 n = 0
@@ -122,6 +130,7 @@ class TwoLevelDrafter:
                     break
                 seqs = [[*contexts[b], *blocks[b]] for b in range(len(contexts))]
                 nxt = self.scorer.greedy_after(seqs, [len(s) for s in seqs])
+                self.stats.forwards += 1
                 for b in grow:
                     blocks[b].append(nxt[b][0])
                     self.stats.appended += 1
