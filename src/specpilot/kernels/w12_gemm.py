@@ -64,8 +64,8 @@ MAX_COUNTER_TILES_M = 4
 @triton.jit
 def _decode_ops(sm, cb, base, HIGH: tl.constexpr):
     """Plain Triton decode: ``sm`` uint8, ``cb`` uint8 code bytes (the low or the ``HIGH`` nibble
-    is this half's code) -> bf16 bit patterns in int32 (an escape, code 0, gives the placeholder
-    exponent ``base``)."""
+    is this half's code), ``base`` int32 ``[BN, 1]`` -> bf16 bit patterns in int32 (an escape,
+    code 0, gives the placeholder exponent ``base``)."""
     smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
     cbi = cb.to(tl.int32)
     code = (cbi >> 4) if HIGH else (cbi & 0xF)
@@ -214,7 +214,7 @@ def _store_tile(
 
 @triton.jit
 def _w12_half(
-    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K, base,
+    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K, base_col,
     HIGH: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PRMT: tl.constexpr,
     W_AS_A: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -228,7 +228,7 @@ def _w12_half(
     else:
         sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
     if PRMT:  # GPU only: the interpreter cannot run inline PTX
-        w = _decode_prmt(sm, cb, tl.full(sm.shape, base * 0x800080, tl.int32), HIGH)  # [BN, 32]
+        w = _decode_prmt(sm, cb, base_col * 0x800080, HIGH)  # [BN, 32]
         if USE_DOT and W_AS_A:  # acc^T [BN, BM] += w @ x^T: the decoded tile is the A operand
             acc = tl.dot(w, tl.trans(x), acc)
         elif USE_DOT:
@@ -236,7 +236,7 @@ def _w12_half(
         else:  # BLOCK_M == 1
             acc += w.to(tl.float32) * x.to(tl.float32)
     else:
-        bits = _decode_ops(sm, cb, base, HIGH)  # [BN, 32]
+        bits = _decode_ops(sm, cb, base_col, HIGH)  # [BN, 32]
         if USE_DOT and W_AS_A:
             acc = tl.dot(_bits_to_operand(bits, INTERPRET), tl.trans(_x_operand(x, INTERPRET)), acc)
         elif USE_DOT:
@@ -249,7 +249,7 @@ def _w12_half(
 @triton.jit
 def _k_step(
     acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
-    K, codes_k, base, W12: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
+    K, codes_k, base_col, W12: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
     PRMT: tl.constexpr, W_AS_A: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -268,11 +268,11 @@ def _k_step(
                 cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
             acc = _w12_half(
                 acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K,
-                base, False, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
+                base_col, False, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
             )  # fmt: skip
             acc = _w12_half(
                 acc, kc + HALF, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr,
-                cb, K, base, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
+                cb, K, base_col, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
             )  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
@@ -296,6 +296,7 @@ def _linear_kernel(
     w_ptr,  # [N, K] bf16 (W12=False)
     sm_ptr,  # [N, K] uint8 (W12=True)
     codes_ptr,  # [N, codes_k] uint8, codes_k = ceil(K/64) * 32
+    base_ptr,  # [1] int32: the W12 base (loaded, see below)
     off_ptr,  # [ceil(N/16) + 1] int32
     rec_ptr,  # [n_esc] int32
     bias_ptr,  # [N] bf16 (HAS_BIAS)
@@ -335,6 +336,12 @@ def _linear_kernel(
     n_ok = offs_n < N
     k_lo = pid_k * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if W12:  # a loaded tensor, not a splat of the scalar argument: Triton then moves the decode
+        # into the MMA operand layout (after the shared-memory load) instead of decoding in a
+        # blocked layout and converting through shared memory with barriers
+        base_col = tl.load(base_ptr + offs_n * 0)[:, None]  # [BN, 1] int32, all equal to base
+    else:
+        base_col = tl.zeros((BLOCK_N, 1), dtype=tl.int32)
 
     if USE_DOT and W12 and W_AS_A:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -349,7 +356,7 @@ def _linear_kernel(
         while k0 < k_hi:
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
+                codes_ptr, K, codes_k, base_col, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
                 INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
@@ -357,7 +364,7 @@ def _linear_kernel(
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
+                codes_ptr, K, codes_k, base_col, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
                 INTERPRET,
             )  # fmt: skip
     if not USE_DOT:
@@ -504,14 +511,16 @@ def _launch(
         if cfg.block_k % GROUP:
             raise ValueError(f"W12 needs block_k a multiple of {GROUP}, got {cfg.block_k}")
         sm, codes, offs, recs, base = w12.sm, w12.codes, w12.esc_offsets, w12.esc_records, w12.base
+        base_t = w12.base_t
         w_arg: Tensor = sm
         if recs.numel() == 0:
             recs = offs  # never read (every CSR range is empty) but must be a valid pointer
     else:
         assert w_bf16 is not None
         w_arg, sm, codes, offs, recs, base = w_bf16, x, x, x, x, 0
+        base_t = counters
     _linear_kernel[grid](
-        x, w_arg, sm, codes, offs, recs,
+        x, w_arg, sm, codes, base_t, offs, recs,
         bias if bias is not None else x, y, part, counters,
         m, n, k, x.stride(0), y.stride(0), codes.shape[-1], base, k_split, split,
         W12=w12 is not None, PRMT=prmt and not interpret, W_AS_A=cfg.w_as_a,

@@ -78,6 +78,7 @@ class W12Tensor:
     base: int  # placeholder exponent; code c >= 1 names exponent base + c
     esc_offsets: Tensor  # [ceil(N/16) + 1] int32: CSR offsets per 16-row block
     esc_records: Tensor  # [n_esc] int32: ((n % 16) * K + k) << 8 | exponent
+    base_t: Tensor  # [1] int32: ``base`` on the device, for kernels that must load it
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,9 +93,9 @@ class W12Tensor:
         return int(self.esc_records.numel())
 
     def nbytes(self) -> int:
-        """Bytes stored, all metadata included (``base`` counted as 4 bytes)."""
-        parts = (self.sm, self.codes, self.esc_offsets, self.esc_records)
-        return sum(t.numel() * t.element_size() for t in parts) + 4
+        """Bytes stored, all metadata included."""
+        parts = (self.sm, self.codes, self.esc_offsets, self.esc_records, self.base_t)
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def bits_per_weight(self) -> float:
         n, k = self.shape
@@ -107,6 +108,7 @@ class W12Tensor:
             base=self.base,
             esc_offsets=self.esc_offsets.to(device),
             esc_records=self.esc_records.to(device),
+            base_t=self.base_t.to(device),
         )
 
 
@@ -154,6 +156,7 @@ def encode(w: Tensor) -> W12Tensor:
         base=base,
         esc_offsets=offsets.to(torch.int32),
         esc_records=records,
+        base_t=torch.tensor([base], dtype=torch.int32, device=w.device),
     )
 
 
