@@ -72,6 +72,27 @@ def _decode_ops(sm, cb, base, HIGH: tl.constexpr):
     return (smi & 0x807F) | ((code + base) << 7)
 
 
+_PRMT_ASM = """{{
+    .reg .b32 c, s01, s23, c01, c23, m;
+    {code}
+    prmt.b32 s01, $2, 0, 0x9180;
+    prmt.b32 s23, $2, 0, 0xB3A2;
+    prmt.b32 c01, c, 0, 0x4140;
+    prmt.b32 c23, c, 0, 0x4342;
+    shl.b32 c01, c01, 3;
+    shl.b32 c23, c23, 3;
+    mov.b32 m, 0x807F807F;
+    lop3.b32 s01, s01, m, c01, 0xE2;
+    lop3.b32 s23, s23, m, c23, 0xE2;
+    add.u32 $0, s01, $4;
+    add.u32 $1, s23, $4;
+    }}"""
+_PRMT_HIGH = tl.constexpr(_PRMT_ASM.format(code="mov.b32 c, $3;"))
+"""High nibbles: already in the high half of their byte."""
+_PRMT_LOW = tl.constexpr(_PRMT_ASM.format(code="shl.b32 c, $3, 4;"))
+"""Low nibbles: moved to the high half of their byte (what lands below is masked off)."""
+
+
 @triton.jit
 def _decode_prmt(sm, cb, base2, HIGH: tl.constexpr):
     """The same decode as ``_decode_ops``, four weights per instance, as bf16: one 32-bit word of
@@ -80,55 +101,10 @@ def _decode_prmt(sm, cb, base2, HIGH: tl.constexpr):
     shift per pair to move the nibble under the exponent field, one ``lop3`` to merge
     ``(s & 0x807F) | (code << 7)`` and one add of ``base`` in both lanes (``base2`` =
     ``base << 7 | base << 23``; no carry crosses a lane since ``base + code <= 255``)."""
-    # (one literal per variant: a jitted function cannot build strings)
-    if HIGH:
-        # the high nibble already sits in the high half of its byte
-        return tl.inline_asm_elementwise(
-            """    {
-            .reg .b32 c, s01, s23, c01, c23, m;
-            mov.b32 c, $3;
-            prmt.b32 s01, $2, 0, 0x9180;
-            prmt.b32 s23, $2, 0, 0xB3A2;
-            prmt.b32 c01, c, 0, 0x4140;
-            prmt.b32 c23, c, 0, 0x4342;
-            shl.b32 c01, c01, 3;
-            shl.b32 c23, c23, 3;
-            mov.b32 m, 0x807F807F;
-            lop3.b32 s01, s01, m, c01, 0xE2;
-            lop3.b32 s23, s23, m, c23, 0xE2;
-            add.u32 $0, s01, $4;
-            add.u32 $1, s23, $4;
-            }""",
-            "=r,=r,r,r,r,r,r,r",
-            [sm, cb, base2],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        # low nibbles move up to the high half of their byte; the rest is masked off
-        return tl.inline_asm_elementwise(
-            """    {
-            .reg .b32 c, s01, s23, c01, c23, m;
-            shl.b32 c, $3, 4;
-            prmt.b32 s01, $2, 0, 0x9180;
-            prmt.b32 s23, $2, 0, 0xB3A2;
-            prmt.b32 c01, c, 0, 0x4140;
-            prmt.b32 c23, c, 0, 0x4342;
-            shl.b32 c01, c01, 3;
-            shl.b32 c23, c23, 3;
-            mov.b32 m, 0x807F807F;
-            lop3.b32 s01, s01, m, c01, 0xE2;
-            lop3.b32 s23, s23, m, c23, 0xE2;
-            add.u32 $0, s01, $4;
-            add.u32 $1, s23, $4;
-            }""",
-            "=r,=r,r,r,r,r,r,r",
-            [sm, cb, base2],
-            dtype=tl.bfloat16,
-            is_pure=True,
-            pack=4,
-        )
+    asm: tl.constexpr = _PRMT_HIGH if HIGH else _PRMT_LOW
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,r,r,r,r,r,r", [sm, cb, base2], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
 
 
 @triton.jit

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.int8_copy import LINEAR_NAMES, shared_model
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.mechanisms.weight_copy import copy_model, copy_nbytes
+from specpilot.models.transformer import Transformer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -103,6 +103,9 @@ class Fp8Linear:
         self.scaled_mm = scaled_mm
         """The device runs the FP8 GEMM (``scaled_mm_supported``); shapes decide per call."""
 
+    def copy_nbytes(self) -> int:
+        return self.fp8.nbytes()
+
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         n, k = self.fp8.shape
         x2 = x.reshape(-1, k)  # [M, K]
@@ -131,28 +134,16 @@ def fp8_model(
     """A model sharing ``target``'s tensors whose linear layers (and LM head) read FP8 copies;
     ``scaled_mm=None`` uses the FP8 GEMM wherever the device has it."""
     supported = scaled_mm_supported(target.device) if scaled_mm is None else scaled_mm
-    cheap = shared_model(target)
-    for src, dst in zip(target.layers, cheap.layers, strict=True):
-        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
-        for name in LINEAR_NAMES:
-            dst.linear_fns[name] = Fp8Linear(getattr(src, name), supported)
-    if lm_head:
-        cheap.argmax_head = Fp8ArgmaxHead(target.lm_head, supported)
-    return cheap
+    return copy_model(
+        target,
+        lambda w: Fp8Linear(w, supported),
+        (lambda w: Fp8ArgmaxHead(w, supported)) if lm_head else None,
+    )
 
 
 def fp8_nbytes(model: Transformer) -> int:
     """Bytes of the FP8 copies installed in ``model`` (linear layers and LM head)."""
-    total = 0
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        for fn in layer.linear_fns.values():
-            if isinstance(fn, Fp8Linear):
-                total += fn.fp8.nbytes()
-    head = model.argmax_head
-    if isinstance(head, Fp8ArgmaxHead):
-        total += head.linear.fp8.nbytes()
-    return total
+    return copy_nbytes(model, Fp8Linear)
 
 
 __all__ = [

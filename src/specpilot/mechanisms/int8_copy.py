@@ -30,9 +30,9 @@ from torch import Tensor
 
 from specpilot.errors import SpecPilotError
 from specpilot.kernels import triton_usable
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.mechanisms.weight_copy import copy_model, copy_nbytes
+from specpilot.models.transformer import Transformer
 
-LINEAR_NAMES = ("w_qkv", "w_o", "w_gate_up", "w_down")
 QMAX = 127
 
 
@@ -83,6 +83,9 @@ class Int8Linear:
         self.use_triton = triton_usable(weight.device) if use_triton is None else use_triton
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
 
+    def copy_nbytes(self) -> int:
+        return self.int8.nbytes()
+
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         from specpilot.kernels.int8_gemm import int8_matmul, int8_matmul_reference
 
@@ -110,22 +113,6 @@ class Int8ArgmaxHead:
         return self.linear(x).argmax(dim=-1)
 
 
-def shared_model(target: Transformer) -> Transformer:
-    """A :class:`Transformer` holding ``target``'s own tensors (nothing copied), for a cheap copy
-    to replace its linear layers (``DecoderLayer.linear_fns``) and greedy head."""
-    cheap = Transformer(target.cfg, dtype=target.dtype, device="meta", max_positions=1)
-    for name, param in target.named_parameters(recurse=False):
-        setattr(cheap, name, param)
-    if target.cfg.tie_word_embeddings:
-        cheap.lm_head = cheap.embed
-    cheap.rope_cos, cheap.rope_sin = target.rope_cos, target.rope_sin
-    for src, dst in zip(target.layers, cheap.layers, strict=True):
-        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
-        for name, param in src.named_parameters(recurse=False):
-            setattr(dst, name, param)
-    return cheap
-
-
 def cheap_model(
     target: Transformer,
     max_m: int = 64,
@@ -133,28 +120,16 @@ def cheap_model(
     use_triton: bool | None = None,
 ) -> Transformer:
     """A model sharing ``target``'s tensors whose linear layers (and LM head) read INT8 copies."""
-    cheap = shared_model(target)
-    for src, dst in zip(target.layers, cheap.layers, strict=True):
-        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
-        for name in LINEAR_NAMES:
-            dst.linear_fns[name] = Int8Linear(getattr(src, name), max_m, use_triton)
-    if lm_head:
-        cheap.argmax_head = Int8ArgmaxHead(target.lm_head, max_m, use_triton)
-    return cheap
+    return copy_model(
+        target,
+        lambda w: Int8Linear(w, max_m, use_triton),
+        (lambda w: Int8ArgmaxHead(w, max_m, use_triton)) if lm_head else None,
+    )
 
 
 def int8_nbytes(model: Transformer) -> int:
     """Bytes of the INT8 copies installed in ``model`` (linear layers and LM head)."""
-    total = 0
-    for layer in model.layers:
-        assert isinstance(layer, DecoderLayer)
-        for fn in layer.linear_fns.values():
-            if isinstance(fn, Int8Linear):
-                total += fn.int8.nbytes()
-    head = model.argmax_head
-    if isinstance(head, Int8ArgmaxHead):
-        total += head.linear.int8.nbytes()
-    return total
+    return copy_nbytes(model, Int8Linear)
 
 
 __all__ = [
@@ -165,5 +140,4 @@ __all__ = [
     "dequantize",
     "int8_nbytes",
     "quantize",
-    "shared_model",
 ]
