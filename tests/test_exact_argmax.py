@@ -10,12 +10,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_model
+from conftest import run_interpreted, tiny_config, tiny_model
 from specpilot.drafters import NgramDrafter
 from specpilot.engine import SpecEngine
 from specpilot.kernels.argmax_bound import (
@@ -141,8 +143,13 @@ def test_bf16_model_matches_its_stock_head(fmt):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_triton_kernel_matches_the_torch_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_triton_kernel_matches_the_torch_reference() -> None:
+    """In a subprocess: the interpreter must be on before triton (or any kernel module) is
+    imported, which an earlier test in this process may already have done."""
+    assert "triton kernel ok" in run_interpreted([str(Path(__file__).resolve()), "kernel"], 120)
+
+
+def _group_kernel() -> None:
     torch.manual_seed(0)
     w = 0.02 * torch.randn(200, 64)
     head = prepare_cheap_head(w, "int8", 64)
@@ -159,6 +166,7 @@ def test_triton_kernel_matches_the_torch_reference(monkeypatch):
     xs = torch.randn(1, 5, 64) * 3
     assert torch.equal(eh(xs), stock_ids(model, xs))
     assert eh.stats.certified_rows == 5
+    print("triton kernel ok")
 
 
 @pytest.mark.parametrize("seed", range(1))
@@ -202,3 +210,7 @@ def test_gpu_bench_script_runs_tiny_on_the_cpu(tmp_path):
     saved = json.loads((tmp_path / "mechanisms_gpu.json").read_text())
     assert all(r["mismatches"] == 0 for r in saved["lm_head"])
     assert {r["tokens"] for r in saved["verify"] if "chain_ms" in r} == {1, 4, 8}
+
+
+if __name__ == "__main__":
+    {"kernel": _group_kernel}[sys.argv[1]]()

@@ -24,14 +24,17 @@ committed token: the cheap model only tells the pre-filter where to cut a block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.weight_copy import copy_model, copy_nbytes
+from specpilot.mechanisms.weight_copy import (
+    QuantWeight,
+    channel_scales,
+    copy_model,
+    copy_nbytes,
+    dequantize,
+)
 from specpilot.models.transformer import Transformer
 
 FP8 = torch.float8_e4m3fn
@@ -40,34 +43,15 @@ FP8_MAX = 448.0
 _MIN_ACT_SCALE = 1e-12  # an all-zero activation row (M padding) keeps a finite scale
 
 
-@dataclass(frozen=True, slots=True)
-class Fp8Weight:
-    q: Tensor  # [N, K] float8_e4m3fn codes
-    scale: Tensor  # [N] fp32, > 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.q.shape[0]), int(self.q.shape[1]))
-
-    def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scale.numel()
+Fp8Weight = QuantWeight
+"""float8_e4m3fn codes with per-channel scales."""
 
 
 def quantize(w: Tensor) -> Fp8Weight:
     """Per-output-channel FP8 e4m3 of a 2-D weight ``[N, K]`` (any float dtype)."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise SpecPilotError("FP8 quantization takes a 2-D floating-point weight matrix.")
-    wf = w.detach().float()
-    if not bool(torch.isfinite(wf).all()):
-        raise SpecPilotError("The weight has NaN or Inf entries; it cannot be quantized to FP8.")
-    amax = wf.abs().amax(dim=1)  # [N]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [N]
+    wf, scale = channel_scales(w, FP8_MAX, "FP8")  # [N, K], [N]
     q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)  # [N, K]
-    return Fp8Weight(q=q.contiguous(), scale=scale.contiguous())
-
-
-def dequantize(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> Tensor:  # [N, K]
-    return (w.q.float() * w.scale[:, None]).to(dtype)
+    return QuantWeight(q=q.contiguous(), scale=scale.contiguous())
 
 
 def scaled_mm_supported(device: torch.device) -> bool:

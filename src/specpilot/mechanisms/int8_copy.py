@@ -22,48 +22,32 @@ paying at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from specpilot.errors import SpecPilotError
 from specpilot.kernels import triton_usable
-from specpilot.mechanisms.weight_copy import copy_model, copy_nbytes
+from specpilot.mechanisms.weight_copy import (
+    QuantWeight,
+    channel_scales,
+    copy_model,
+    copy_nbytes,
+    dequantize,
+)
 from specpilot.models.transformer import Transformer
 
 QMAX = 127
 
 
-@dataclass(frozen=True, slots=True)
-class Int8Weight:
-    q: Tensor  # [N, K] int8 codes in [-127, 127]
-    scale: Tensor  # [N] fp32, > 0
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.q.shape[0]), int(self.q.shape[1]))
-
-    def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scale.numel()
+Int8Weight = QuantWeight
+"""Symmetric INT8 codes in [-127, 127] with per-channel scales."""
 
 
 def quantize(w: Tensor) -> Int8Weight:
     """Per-output-channel symmetric INT8 of a 2-D weight ``[N, K]`` (any float dtype)."""
-    if w.dim() != 2 or not w.is_floating_point():
-        raise SpecPilotError("INT8 quantization takes a 2-D floating-point weight matrix.")
-    wf = w.detach().float()
-    if not bool(torch.isfinite(wf).all()):
-        raise SpecPilotError("The weight has NaN or Inf entries; it cannot be quantized to INT8.")
-    amax = wf.abs().amax(dim=1)  # [N]
-    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))  # [N]
+    wf, scale = channel_scales(w, QMAX, "INT8")  # [N, K], [N]
     q = torch.round(wf / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)  # [N, K]
-    return Int8Weight(q=q.contiguous(), scale=scale.contiguous())
-
-
-def dequantize(w: Int8Weight, dtype: torch.dtype = torch.float32) -> Tensor:  # [N, K]
-    return (w.q.float() * w.scale[:, None]).to(dtype)
+    return QuantWeight(q=q.contiguous(), scale=scale.contiguous())
 
 
 class Int8Linear:

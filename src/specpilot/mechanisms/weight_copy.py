@@ -9,13 +9,47 @@ head through ``Transformer.argmax_head``. This module builds that model for any 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
+from specpilot.errors import SpecPilotError
 from specpilot.models.transformer import DecoderLayer, Transformer
 
 LINEAR_NAMES = ("w_qkv", "w_o", "w_gate_up", "w_down")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantWeight:
+    """A per-output-channel quantized ``[N, K]`` matrix: ``w ≈ q * scale[:, None]``."""
+
+    q: Tensor  # [N, K] 1-byte codes (int8, or float8_e4m3fn)
+    scale: Tensor  # [N] fp32, > 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.q.shape[0]), int(self.q.shape[1]))
+
+    def nbytes(self) -> int:
+        return self.q.numel() + 4 * self.scale.numel()
+
+
+def channel_scales(w: Tensor, qmax: float, fmt: str) -> tuple[Tensor, Tensor]:
+    """``(w [N, K] fp32, scale [N])`` with ``scale = max|w[n]| / qmax`` (1 for an all-zero row),
+    after refusing what cannot be quantized (not 2-D floating point, NaN or Inf)."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise SpecPilotError(f"{fmt} quantization takes a 2-D floating-point weight matrix.")
+    wf = w.detach().float()
+    if not bool(torch.isfinite(wf).all()):
+        raise SpecPilotError(f"The weight has NaN or Inf entries; it cannot be quantized to {fmt}.")
+    amax = wf.abs().amax(dim=1)  # [N]
+    return wf, torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> Tensor:  # [N, K]
+    return (w.q.float() * w.scale[:, None]).to(dtype)
 
 
 class CopiedLinear(Protocol):
@@ -77,4 +111,13 @@ def copy_nbytes(model: Transformer, kind: type[Copy]) -> int:
     return total
 
 
-__all__ = ["LINEAR_NAMES", "CopiedLinear", "copy_model", "copy_nbytes", "shared_model"]
+__all__ = [
+    "LINEAR_NAMES",
+    "CopiedLinear",
+    "QuantWeight",
+    "channel_scales",
+    "copy_model",
+    "copy_nbytes",
+    "dequantize",
+    "shared_model",
+]
