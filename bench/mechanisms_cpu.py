@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from specpilot.bench.prompts import load_prompt_set
+from specpilot.bench.records import git_rev
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
 from specpilot.drafters.early_exit import early_exit_model
 from specpilot.drafters.tree import TreeShape
@@ -205,9 +205,8 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     loaded = load_model("smollm2-135m", dtype=dtype, device=args.device)
     target, tok = loaded.model, loaded.tokenizer
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     out: dict[str, Any] = {
-        "commit": commit.stdout.strip(),
+        "commit": git_rev(),
         "date": time.strftime("%Y-%m-%d"),
         "threads": args.threads,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

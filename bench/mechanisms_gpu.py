@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specpilot.bench.records import git_rev
 from specpilot.kernels import triton_usable
 from specpilot.mechanisms.exact_argmax import ExactArgmaxHead
 from specpilot.models.transformer import Transformer
@@ -63,16 +63,6 @@ def median_time(fn: Any, dev: torch.device, iters: int, warmup: int = 2) -> floa
         sync(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def head_only_model(vocab: int, hidden: int, dev: torch.device, dtype: torch.dtype) -> Transformer:
@@ -252,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {
-        "commit": git_commit(),
+        "commit": git_rev(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,

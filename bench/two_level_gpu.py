@@ -36,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from w12_gpu import copy_bandwidth, git_rev, sync, time_calls
+from w12_gpu import copy_bandwidth, sync, time_calls
 
+from specpilot.bench.records import git_rev
 from specpilot.bench.two_level import agreement, forward_time
 from specpilot.drafters.base import DraftProposal
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile

@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+from specpilot.bench.records import git_rev
 from specpilot.kernels.w12_gemm import (
     GemmConfig,
     bf16_matmul,
@@ -156,16 +156,6 @@ def error_ratio(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
     k = x.shape[1]
     bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (xd.abs() @ wd.abs().T) + 2.0**-133
     return float(((y.double() - z).abs() / bound).max())
-
-
-def git_rev() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 @dataclass(slots=True)

@@ -16,7 +16,6 @@ import gc
 import json
 import platform
 import random
-import subprocess
 import time
 import traceback
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from specpilot.bench import gpu_ceilings
+from specpilot.bench.records import git_rev
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_base import StaticDrafter
 from specpilot.drafters.static_draft_model import StaticDraftModel
@@ -76,16 +76,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.verify_widths = [int(w) for w in (args.verify_widths or "1,2,4,8,16,32,64").split(",")]
     args.hf_tokens = args.hf_tokens or (8 if t else 32)
     return args
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _sync(dev: torch.device) -> None:
@@ -441,7 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "suite": "specpilot gpu suite (issue 3)",
         "note": f"speculative figures are {SIM_LABEL}; weights are seeded random",
         "date": datetime.date.today().isoformat(),
-        "commit": args.commit or _git_commit(),
+        "commit": args.commit or git_rev(),
         "machine": {
             "device": torch.cuda.get_device_name(dev)
             if dev.type == "cuda"

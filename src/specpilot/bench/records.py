@@ -7,6 +7,7 @@ what it finished and ``--resume`` skips it.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,3 +99,14 @@ def read_records(path: Path) -> list[RunRecord]:
                     f"{path}:{lineno} is not a SpecPilot run record ({e})."
                 ) from None
     return out
+
+
+def git_rev() -> str:
+    """The short commit hash of the working tree (``unknown`` outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"

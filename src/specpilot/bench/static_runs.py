@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specpilot.bench.records import git_rev
 from specpilot.engine.loop import GenerationResult
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.forcing import force_tokens
@@ -69,17 +69,6 @@ def simulation_label(args: argparse.Namespace) -> str:
     return (" · peaked random target" if args.peaked else "") + (
         " · steady-state window (until the first row is done)" if args.steady else ""
     )
-
-
-def git_rev() -> str:
-    """The short commit hash of the working tree (``unknown`` outside a git checkout)."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
 
 
 def run_header(label: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
