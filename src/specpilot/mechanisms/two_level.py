@@ -202,7 +202,9 @@ MECHANISM = Mechanism(
     # Memory-bound verify (cuda, bf16) is where the cheap level is ~half an exact verify; on the
     # CPU the reference dequantizes per call and costs more than the exact forward. Eager drafters
     # only. It still loses where the drafter already agrees with the target (one-level tau above
-    # ~2 for ``correct``): two_level_cost.predict says so per deployment.
+    # ~2 for ``correct``): two_level_cost.predict says so per deployment. H200 (docs/BENCHMARKS.md,
+    # third session): SmolLM2 real acceptance doubles tau per exact verify on mt-bench (0.79-1.08x
+    # one-level speed, within noise) and loses on copy-heavy (0.34-0.44x), as predicted.
     applies=Applicability(
         devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=("ngram", "draft-model")
     ),
