@@ -35,8 +35,9 @@ a bf16×bf16 product is exact in fp32, and every product ``x[m, k] * w[n, k]`` e
 exactly once (plus, at escapes, an exactly cancelling pair ``±x·p`` with
 ``|p| < 2^-14 · max|w|`` for the weights in the window). The result therefore differs from
 ``F.linear`` on the decoded weights only by the order of the fp32 additions (cuBLAS also picks
-its order per shape), i.e. by at most ``γ_K · Σ_k |x_k w_k|`` before the final bf16 rounding (γ_K ≈ K · 2^-24); tests check
-``|y - y_exact| ≤ 2^-8 |y_exact| + K · 2^-23 · Σ|x||w|`` against an fp64 product.
+its order per shape), i.e. by at most ``γ_K · Σ_k |x_k w_k|`` before the final bf16 rounding
+(γ_K ≈ K · 2^-24); tests check ``|y - y_exact| ≤ 2^-8 |y_exact| + K · 2^-23 · Σ|x||w|`` against
+an fp64 product.
 Non-finite activations give non-finite outputs in both, though Inf against NaN may differ.
 """
 
