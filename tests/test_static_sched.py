@@ -5,8 +5,11 @@ clear errors. Runs eagerly on the CPU; the CUDA-graph case is skipped without CU
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,6 +185,26 @@ def test_clear_errors() -> None:
 
     with pytest.raises(ValueError, match="'no-refill' cannot restart one row"):
         StaticScheduler(StaticEngine(model, NoRefill()), slots=2)  # type: ignore[arg-type]
+
+
+def test_static_sched_gpu_bench_tiny(tmp_path: Path) -> None:
+    """The H200 script end to end on tiny CPU shapes: continuous equals static batches and AR
+    per request, fewer cycles than static batches (rows are refilled), labelled."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "static_sched_gpu.py"
+    spec = importlib.util.spec_from_file_location("static_sched_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    result = mod.main(["--out", str(tmp_path), "--tiny"])
+    saved = json.loads((tmp_path / "static_sched_gpu.json").read_text())
+    assert "simulated acceptance" in saved["label"] and saved["runs"] == result["runs"]
+    runs = {r["variant"]: r for r in saved["runs"]}
+    assert list(runs) == ["AR static batches", "static batches", "continuous"]
+    cont = runs["continuous"]
+    for check in (cont["vs_static"], cont["vs_ar"], runs["static batches"]["vs_ar"]):
+        assert check["rows_equal_ar"] == check["rows"] == 12
+    assert cont["cycles"] < runs["static batches"]["cycles"]
+    assert cont["oracle_divergences"] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -132,6 +132,9 @@ class BlockDrafter:
         start = torch.zeros(1, dtype=torch.int64, device=prompt.device)
         self._write_context(hidden, start, self.cache.row(row))
 
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        return None
+
     def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
         return engine.bucket(max_committed + max(self.block, self.k + 1))
 

@@ -217,11 +217,15 @@ class SimulatedAcceptance:
     def prefill_row(
         self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
     ) -> None:
-        """Restart one row (continuous batching): forget its oracle, recompute from the
-        committed state. Its acceptance schedule goes on from the shared cycle counter."""
+        """Restart one row (continuous batching): forget its oracle (``rows_filled`` computes
+        it). Its acceptance schedule goes on from the shared cycle counter."""
         self.inner.prefill_row(engine, row, prompt, hidden)  # type: ignore[attr-defined]
         self._host[row] = [-1] * len(self._host[row])
         self._covered[row] = 0
+
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        """One reference run gives every refilled row its oracle."""
+        self.inner.rows_filled(engine, rows)  # type: ignore[attr-defined]
         self.reanchor(engine)
 
     def reanchor(self, engine: StaticEngine) -> None:

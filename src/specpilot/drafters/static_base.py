@@ -70,6 +70,11 @@ class RowRefillable(Protocol):
         """Start row ``row`` on a new prompt (runs eagerly, between cycles)."""
         ...
 
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        """Once after the rows refilled since the last cycle, before the next cycle (one oracle
+        run for all of them, say)."""
+        ...
+
 
 def can_refill_rows(drafter: StaticDrafter) -> bool:
     """Whether ``drafter`` (and the drafter a simulated-acceptance wrapper wraps) can restart one

@@ -54,6 +54,9 @@ class StaticDraftModel:
         start = torch.zeros(1, dtype=torch.int64, device=prompt.device)
         self.fwd(prompt, self.cache.row(row), start, engine.bucket(prompt.shape[1]))
 
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        return None
+
     def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
         return engine.bucket(max_committed + self.k)
 

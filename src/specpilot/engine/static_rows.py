@@ -5,7 +5,9 @@ A mixin, like ``static_steps.py``. ``open_rows`` allocates the batch once for th
 context that will be admitted (prompt + new tokens), so the graphs captured against the decode
 state stay valid for every later request; every row starts idle. Between cycles, ``fill_row``
 runs one prompt eagerly into that row's slice of the KV cache (its own positions from 0), sets
-the row's device state and host mirrors, and restarts the drafter's state of that row;
+the row's device state and host mirrors, and restarts the drafter's state of that row
+(``RowRefillable.prefill_row``; ``rows_filled`` once before the next cycle, so that one oracle
+run of simulated acceptance serves every row admitted in a step); ``step_rows`` runs one cycle;
 ``release_row`` makes the row idle again. The other rows are not touched, so their tokens do
 not change: every committed token stays the target's argmax given the row's own prefix.
 
@@ -99,6 +101,7 @@ class RowSteps(_EngineParts):
             t.zero_()
         self._dev_len = [IDLE_LEN] * batch
         self._final_len = [IDLE_LEN] * batch
+        self._filled: list[int] = []  # rows refilled since the last cycle
         self.rows_verified = 0
 
     @torch.inference_mode()
@@ -141,6 +144,7 @@ class RowSteps(_EngineParts):
         if self.drafter is not None:
             assert isinstance(self.drafter, RowRefillable)
             self.drafter.prefill_row(self, row, ids, hidden)  # type: ignore[arg-type]
+        self._filled.append(row)
         return int(first)
 
     @torch.inference_mode()
@@ -151,8 +155,12 @@ class RowSteps(_EngineParts):
         (a cycle writes at most ``context_margin`` slots past a row's limit)."""
         if self.drafter is None:
             self._ar_window(results, active, set(), NO_LIMIT)
-        else:
-            self._spec_cycle(results, active, set(), NO_LIMIT, [])
+            return
+        if self._filled:
+            assert isinstance(self.drafter, RowRefillable)
+            self.drafter.rows_filled(self, self._filled)  # type: ignore[arg-type]
+            self._filled = []
+        self._spec_cycle(results, active, set(), NO_LIMIT, [])
 
     @torch.inference_mode()
     def release_row(self, row: int) -> None:
