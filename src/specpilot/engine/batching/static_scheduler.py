@@ -37,9 +37,14 @@ __all__ = ["StaticScheduler"]
 class StaticScheduler:
     """Continuous batching over the rows of a :class:`StaticEngine` (see the module docstring)."""
 
-    def __init__(self, engine: StaticEngine, *, slots: int = 16, max_context: int = 2048) -> None:
-        """``max_context``: the longest prompt plus ``max_new_tokens`` any request may ask for;
-        every row is allocated for it once, so that captured graphs stay valid."""
+    def __init__(
+        self, engine: StaticEngine, *, slots: int = 16, max_context: int | None = None
+    ) -> None:
+        """``max_context``: the longest prompt plus ``max_new_tokens`` any request may ask for
+        (default: all the model's context allows); every row is allocated for it once, so that
+        captured graphs stay valid."""
+        if max_context is None:
+            max_context = engine.target.max_positions - engine.context_margin()
         self.engine = engine
         self.max_context = max_context
         engine.open_rows(slots, max_context)
