@@ -107,21 +107,33 @@ class BlockDrafter:
     def _layers(self) -> list[DecoderLayer]:
         return [lyr for lyr in self.weights.layers if isinstance(lyr, DecoderLayer)]
 
-    def _write_context(self, hidden: Tensor, start: Tensor) -> None:
-        """``hidden [n_sel, B, T, H]`` target states → context K/V at slots ``start + t``."""
-        assert self.cache is not None
+    def _write_context(self, hidden: Tensor, start: Tensor, cache: KVCache | None = None) -> None:
+        """``hidden [n_sel, B, T, H]`` target states → context K/V at slots ``start + t`` of
+        ``cache`` (default: the drafter's whole cache)."""
+        cache = self.cache if cache is None else cache
+        assert cache is not None
         n, b, t, h = hidden.shape
         feats = hidden.permute(1, 2, 0, 3).reshape(b * t, n * h)  # [B*T, n_sel*H]
         ctx = self.fwd.norm(F.linear(feats, self.weights.fc), self.weights.hidden_norm)  # [B*T, H]
         positions = (start[:, None] + torch.arange(t, device=hidden.device)).reshape(b * t)
         for i, layer in enumerate(self._layers()):
-            self.fwd.write_kv(layer, ctx, self.cache.k[i], self.cache.v[i], positions, b)
+            self.fwd.write_kv(layer, ctx, cache.k[i], cache.v[i], positions, b)
 
     def prefill(
         self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
     ) -> None:
         assert hidden is not None
         self._write_context(hidden, torch.zeros_like(prompt_lens))
+
+    def prefill_row(
+        self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
+    ) -> None:
+        assert hidden is not None and self.cache is not None
+        start = torch.zeros(1, dtype=torch.int64, device=prompt.device)
+        self._write_context(hidden, start, self.cache.row(row))
+
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        return None
 
     def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
         return engine.bucket(max_committed + max(self.block, self.k + 1))

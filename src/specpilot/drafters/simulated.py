@@ -199,6 +199,8 @@ class SimulatedAcceptance:
         shape = (st.batch_size, st.capacity, self.k)
         self._first_hit = (torch.rand(shape, generator=gen) < rates[:, None, :]).to(dev)
         self._sibling_hit = (torch.rand(shape, generator=gen) < self.p_sibling).to(dev)
+        self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
+        self._covered = [0] * st.batch_size
 
     def prefill(
         self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
@@ -210,6 +212,20 @@ class SimulatedAcceptance:
         self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
         self._covered = [0] * st.batch_size
         self.reference_runs = 0
+        self.reanchor(engine)
+
+    def prefill_row(
+        self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
+    ) -> None:
+        """Restart one row (continuous batching): forget its oracle (``rows_filled`` computes
+        it). Its acceptance schedule goes on from the shared cycle counter."""
+        self.inner.prefill_row(engine, row, prompt, hidden)  # type: ignore[attr-defined]
+        self._host[row] = [-1] * len(self._host[row])
+        self._covered[row] = 0
+
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        """One reference run gives every refilled row its oracle."""
+        self.inner.rows_filled(engine, rows)  # type: ignore[attr-defined]
         self.reanchor(engine)
 
     def reanchor(self, engine: StaticEngine) -> None:
@@ -232,7 +248,7 @@ class SimulatedAcceptance:
         st, oracle, sched = engine.state, self._oracle, self._schedule
         assert st is not None and oracle is not None and sched is not None
         dev, k = oracle.device, self.k
-        cycle = st.cycle.clamp(max=sched.shape[1] - 1)  # [1]
+        cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
         miss_at = sched.index_select(1, cycle)  # [B, 1]
         pos = torch.arange(k, device=dev)[None, :]  # [1, k]
         idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
@@ -249,7 +265,7 @@ class SimulatedAcceptance:
         assert st is not None and oracle is not None and sched is not None
         assert first is not None and sib is not None
         dev, k, r = oracle.device, self.k, out.shape[2]
-        cycle = st.cycle.clamp(max=sched.shape[1] - 1)  # [1]
+        cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
         miss_at = sched.index_select(1, cycle)  # [B, 1]
         pos = torch.arange(k, device=dev)[None, :]  # [1, k]
         idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]

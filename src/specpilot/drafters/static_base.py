@@ -53,3 +53,31 @@ class StaticDrafter(Protocol):
     ) -> None:
         """Host hook after a cycle: ``(row, position of first token, committed tokens)``."""
         ...
+
+
+@runtime_checkable
+class RowRefillable(Protocol):
+    """A static drafter that can restart one row of a running batch (continuous batching on the
+    static engine, ``engine/static_rows.py``) without touching the other rows' state."""
+
+    def prefill_row(
+        self,
+        engine: StaticEngine,
+        row: int,
+        prompt: Tensor,  # [1, P] int64 on the device
+        hidden: Tensor | None,  # [len(hidden_layers), 1, P, hidden] target states, or None
+    ) -> None:
+        """Start row ``row`` on a new prompt (runs eagerly, between cycles)."""
+        ...
+
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        """Once after the rows refilled since the last cycle, before the next cycle (one oracle
+        run for all of them, say)."""
+        ...
+
+
+def can_refill_rows(drafter: StaticDrafter) -> bool:
+    """Whether ``drafter`` (and the drafter a simulated-acceptance wrapper wraps) can restart one
+    row of a running batch."""
+    inner = getattr(drafter, "inner", drafter)
+    return isinstance(drafter, RowRefillable) and isinstance(inner, RowRefillable)

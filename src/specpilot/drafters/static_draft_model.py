@@ -47,6 +47,16 @@ class StaticDraftModel:
         start = torch.zeros_like(prompt_lens)
         self.fwd(prompts, self.cache, start, engine.bucket(prompts.shape[1]))
 
+    def prefill_row(
+        self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
+    ) -> None:
+        assert self.cache is not None
+        start = torch.zeros(1, dtype=torch.int64, device=prompt.device)
+        self.fwd(prompt, self.cache.row(row), start, engine.bucket(prompt.shape[1]))
+
+    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+        return None
+
     def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
         return engine.bucket(max_committed + self.k)
 

@@ -23,6 +23,10 @@ Tree mode (a ``tree_policy``): each row verifies a static draft tree chosen on t
 (``engine/tree_policy.py``; rows may differ), drafted from the drafter's per-position top-k,
 verified packed under a tree mask, accepted and K/V-compacted on the device
 (``engine/static_tree.py``). The drafter must implement ``draft_candidates``.
+
+Continuous batching (``engine/static_rows.py``, used by ``batching/static_scheduler.py``):
+``open_rows`` allocates idle rows once, ``fill_row`` starts a new prompt in one row between
+cycles, ``release_row`` idles it again; chain verify only.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from specpilot.drafters.static_base import StaticDrafter
 from specpilot.engine.cuda_graphs import GraphRunner
 from specpilot.engine.device_state import DecodeState, accept_and_commit
 from specpilot.engine.loop import GenerationResult
+from specpilot.engine.static_rows import RowSteps
 from specpilot.engine.static_steps import PackedSteps, TreeSteps
 from specpilot.engine.static_tree import TreeBuffers
 from specpilot.engine.tree_policy import TreePolicy
@@ -83,7 +88,7 @@ class CycleTimes:
         }
 
 
-class StaticEngine(PackedSteps, TreeSteps):
+class StaticEngine(PackedSteps, TreeSteps, RowSteps):
     def __init__(
         self,
         target: Transformer,
@@ -257,7 +262,7 @@ class StaticEngine(PackedSteps, TreeSteps):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise PromptTooLongError("Every prompt needs at least one token.")
         lens = [len(p) for p in prompts]
-        margin = 2 * (self.k_max + 1) + self.sync_every + 2
+        margin = self.context_margin()
         need = max(lens) + extra + margin
         if need > self.target.max_positions:
             raise PromptTooLongError(

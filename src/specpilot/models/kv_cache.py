@@ -61,6 +61,16 @@ class KVCache:
             k=[t[:n] for t in self.k], v=[t[:n] for t in self.v], lengths=self.lengths[:n]
         )
 
+    def row(self, i: int) -> KVCache:
+        """A view of sequence ``i`` alone (batch 1): same storage, so writes land in row ``i``."""
+        if not 0 <= i < self.batch_size:
+            raise ValueError(f"row must be in 0..{self.batch_size - 1}, got {i}")
+        return KVCache(
+            k=[t[i : i + 1] for t in self.k],
+            v=[t[i : i + 1] for t in self.v],
+            lengths=self.lengths[i : i + 1],
+        )
+
     def reset(self) -> None:
         self.lengths.zero_()
 

@@ -4,6 +4,7 @@ from specpilot.engine.batching.block import BlockPolicy
 from specpilot.engine.batching.prefilter import DraftPrefilter
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.batching.scheduler import BatchScheduler
+from specpilot.engine.batching.static_scheduler import StaticScheduler
 
 __all__ = [
     "BatchScheduler",
@@ -11,5 +12,6 @@ __all__ = [
     "DraftPrefilter",
     "Request",
     "RequestResult",
+    "StaticScheduler",
     "StepReport",
 ]
