@@ -6,7 +6,7 @@ context that will be admitted (prompt + new tokens), so the graphs captured agai
 state stay valid for every later request; every row starts idle. Between cycles, ``fill_row``
 runs one prompt eagerly into that row's slice of the KV cache (its own positions from 0), sets
 the row's device state and host mirrors, and restarts the drafter's state of that row
-(``RowRefillable.prefill_row``; ``rows_filled`` once before the next cycle, so that one oracle
+(``RowRefillable.prefill_row``; ``fill_rows`` admits several rows with one batched prefill; ``rows_filled`` once before the next cycle, so that one oracle
 run of simulated acceptance serves every row admitted in a step); ``step_rows`` runs one cycle;
 ``release_row`` makes the row idle again. The other rows are not touched, so their tokens do
 not change: every committed token stays the target's argmax given the row's own prefix.
@@ -20,6 +20,8 @@ refill would have to restart per row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -107,45 +109,70 @@ class RowSteps(_EngineParts):
     @torch.inference_mode()
     def fill_row(self, row: int, prompt: list[int], max_new: int) -> int:
         """Start ``prompt`` in idle row ``row`` (between cycles); returns its first token."""
+        return self.fill_rows([row], [prompt], [max_new])[0]
+
+    @torch.inference_mode()
+    def fill_rows(
+        self, rows: Sequence[int], prompts: Sequence[list[int]], max_news: Sequence[int]
+    ) -> list[int]:
+        """Start ``prompts[i]`` in idle row ``rows[i]`` (between cycles) with one batched eager
+        prefill (padded to the longest prompt, in a scratch cache whose K/V are then copied into
+        the rows' slices); returns the first tokens."""
         st, cache = self.state, self.cache
         if st is None or cache is None:
             raise RuntimeError("Call open_rows before fill_row.")
-        n = len(prompt)
-        if n == 0:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
         room = st.capacity - self.context_margin()
-        if n + max_new > room:
-            raise PromptTooLongError(
-                f"A prompt of {n} tokens plus {max_new} new tokens exceeds the {room} tokens "
-                "each row was opened for; shorten the prompt or lower max_new_tokens."
-            )
-        dev = self.device
-        ids = torch.tensor([prompt], dtype=torch.int64, device=dev)  # [1, P]
+        for prompt, max_new in zip(prompts, max_news, strict=True):
+            if not prompt:
+                raise PromptTooLongError("The prompt is empty; give at least one token.")
+            if len(prompt) + max_new > room:
+                raise PromptTooLongError(
+                    f"A prompt of {len(prompt)} tokens plus {max_new} new tokens exceeds the "
+                    f"{room} tokens each row was opened for; shorten the prompt or lower "
+                    "max_new_tokens."
+                )
+        dev, b = self.device, len(rows)
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        padded = torch.zeros(b, width, dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            padded[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        ids = padded.to(dev)  # [b, P]
         layers = () if self.drafter is None else self.drafter.hidden_layers
         hidden = None
         if layers:
             h, dtype = self.target.cfg.hidden_size, self.target.dtype
-            hidden = torch.empty(len(layers), 1, n, h, dtype=dtype, device=dev)
-        start = torch.zeros(1, dtype=torch.int64, device=dev)
-        logits = self.fwd(ids, cache.row(row), start, self.bucket(n), layers, hidden)
-        first = logits[0, n - 1].argmax()  # [] on the device
-        st.tokens[row].zero_()
-        st.tokens[row, :n].copy_(ids[0])
-        st.tokens[row, n] = first
-        st.committed_len[row] = n + 1
-        st.prev_committed[row] = n + 1
-        st.pending[row] = first
-        st.active[row] = 1
-        st.drafts[row].zero_()
-        st.draft_lens[row] = 0
-        st.accepted[row] = 0
-        self._dev_len[row] = n + 1
-        self._final_len[row] = n + max_new
+            hidden = torch.empty(len(layers), b, width, h, dtype=dtype, device=dev)
+        attn_len = self.bucket(width)
+        scratch = self.target.allocate_cache(b, attn_len)
+        start = torch.zeros(b, dtype=torch.int64, device=dev)
+        logits = self.fwd(ids, scratch, start, attn_len, layers, hidden)  # [b, P, V]
+        lens_d = torch.tensor(lens, dtype=torch.int64, device=dev)
+        first = logits[torch.arange(b, device=dev), lens_d - 1].argmax(dim=-1)  # [b]
+        rows_d = torch.tensor(list(rows), dtype=torch.int64, device=dev)
+        for dst, src in zip(cache.k + cache.v, scratch.k + scratch.v, strict=True):
+            dst[rows_d, :, :width] = src[:, :, :width]  # [b, H_kv, P, D]
+        first_host = first.tolist()
+        for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+            st.tokens[row].zero_()
+            st.tokens[row, :n].copy_(ids[i, :n])
+            st.tokens[row, n] = first[i]
+            self._dev_len[row] = n + 1
+            self._final_len[row] = n + max_news[i]
+        st.committed_len[rows_d] = lens_d + 1
+        st.prev_committed[rows_d] = lens_d + 1
+        st.pending[rows_d] = first
+        st.active[rows_d] = 1
+        st.drafts[rows_d] = 0
+        st.draft_lens[rows_d] = 0
+        st.accepted[rows_d] = 0
         if self.drafter is not None:
             assert isinstance(self.drafter, RowRefillable)
-            self.drafter.prefill_row(self, row, ids, hidden)  # type: ignore[arg-type]
-        self._filled.append(row)
-        return int(first)
+            for i, (row, n) in enumerate(zip(rows, lens, strict=True)):
+                rh = None if hidden is None else hidden[:, i : i + 1, :n].contiguous()
+                self.drafter.prefill_row(self, row, ids[i : i + 1, :n], rh)  # type: ignore[arg-type]
+        self._filled.extend(rows)
+        return first_host
 
     @torch.inference_mode()
     def step_rows(self, results: list[GenerationResult], active: list[bool]) -> None:

@@ -3,8 +3,8 @@
 
 Per step:
 
-1. **admit** — each waiting request takes a free row: its prompt is prefilled into that row
-   alone (``StaticEngine.fill_row``, eager), which commits its first token;
+1. **admit** — waiting requests take the free rows: their prompts are prefilled together, in one
+   batched eager forward (``StaticEngine.fill_rows``), which commits each one's first token;
 2. **cycle** — one speculative cycle over every row (graph replays; idle rows are frozen and
    commit nothing), or ``sync_every`` AR steps without a drafter;
 3. **leave** — each row is cut at its own stop token or length limit; a row that reached either
@@ -120,11 +120,13 @@ class StaticScheduler:
         """Admit into free rows, one cycle over every row, release the rows that finished."""
         report = StepReport(committed=[], finished=[])
         before = [len(r.tokens) for r in self._results]
-        for row, req in enumerate(self._rows):
-            if req is None and self._waiting:
-                self._admit(row, self._waiting.popleft())
+        free = [row for row, req in enumerate(self._rows) if req is None]
+        admit = [(row, self._waiting.popleft()) for row in free[: len(self._waiting)]]
+        if admit:
+            self._admit(admit)
+            for row, _ in admit:
                 before[row] = 0
-                report.rows_prefilling += 1
+            report.rows_prefilling += len(admit)
         if self._still_running():  # a request may end on its first token
             report.rows_decoding = sum(self._active)
             report.forward_tokens = self.num_slots * (self.engine.k + 1)
@@ -152,12 +154,18 @@ class StaticScheduler:
                 self._active[row] = False
         return any(self._active)
 
-    def _admit(self, row: int, req: Request) -> None:
-        first = self.engine.fill_row(row, list(req.prompt_ids), req.max_new_tokens)
-        self._rows[row] = req
-        self._results[row] = GenerationResult(list(req.prompt_ids), [first], "length")
-        self._active[row] = True
-        self._admitted_step[row] = self.steps
+    def _admit(self, admit: list[tuple[int, Request]]) -> None:
+        """Start each request in its row, all with one batched prefill."""
+        firsts = self.engine.fill_rows(
+            [row for row, _ in admit],
+            [list(req.prompt_ids) for _, req in admit],
+            [req.max_new_tokens for _, req in admit],
+        )
+        for (row, req), first in zip(admit, firsts, strict=True):
+            self._rows[row] = req
+            self._results[row] = GenerationResult(list(req.prompt_ids), [first], "length")
+            self._active[row] = True
+            self._admitted_step[row] = self.steps
 
     def _leave(self, row: int, reason: str) -> RequestResult:
         req = self._rows[row]
