@@ -25,8 +25,6 @@ output of every request equals its own single-request AR output, whatever runs b
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +32,10 @@ import torch
 from specpilot.drafters.base import Drafter, RowResettable
 from specpilot.engine.batching.block import BlockPolicy
 from specpilot.engine.batching.prefilter import DraftPrefilter
+from specpilot.engine.batching.queue import RequestQueue
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.strategy import VerifyFn
 from specpilot.engine.verify import cut_at_stop, greedy_verify
-from specpilot.errors import PromptTooLongError
 from specpilot.models.transformer import Transformer
 
 __all__ = ["BatchScheduler"]
@@ -65,7 +63,7 @@ class _Slot:
         return self.request.max_new_tokens - len(self.result.tokens)
 
 
-class BatchScheduler:
+class BatchScheduler(RequestQueue):
     """Continuous batching of greedy speculative decoding; ``drafter=None`` is batched AR."""
 
     def __init__(
@@ -93,9 +91,8 @@ class BatchScheduler:
         self.max_context = min(max_context or target.max_positions, target.max_positions)
         width = max(segment_tokens, self.k + 1)  # widest row a forward can feed
         self.cache = target.allocate_cache(slots, self.max_context + width)
-        self.steps = 0
+        super().__init__()
         self._slots: list[_Slot | None] = [None] * slots
-        self._waiting: deque[Request] = deque()
         self._drafter_started = False
 
     # ------------------------------------------------------------------ queue
@@ -111,40 +108,7 @@ class BatchScheduler:
     def running(self) -> int:
         return sum(s is not None for s in self._slots)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def waiting_ids(self) -> list[str]:
-        """Requests submitted but not yet in a slot, oldest first."""
-        return [r.id for r in self._waiting]
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._waiting) or self.running > 0
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
-        if prompt_len + max_new_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
-                f"scheduler's context of {self.max_context}; shorten the prompt or lower "
-                "max_new_tokens."
-            )
-
-    def submit(self, request: Request) -> None:
-        """Queue a request; it takes a slot at the start of a later step."""
-        self.check_fits(len(request.prompt_ids), request.max_new_tokens)
-        self._waiting.append(request)
-
-    def cancel(self, request_id: str) -> RequestResult | None:
-        """Drop a waiting or running request now; its result so far (``cancelled``), if any."""
-        for req in self._waiting:
-            if req.id == request_id:
-                self._waiting.remove(req)
-                return RequestResult(req.id, list(req.prompt_ids), [], "cancelled")
+    def _cancel_running(self, request_id: str) -> RequestResult | None:
         for row, slot in enumerate(self._slots):
             if slot is not None and slot.request.id == request_id:
                 slot.result.stop_reason = "cancelled"
@@ -152,18 +116,6 @@ class BatchScheduler:
                 self._slots[row] = None
                 return slot.result
         return None
-
-    def run(self, requests: Iterable[Request]) -> list[RequestResult]:
-        """Submit every request, step until all are done; results in submission order."""
-        order = []
-        for req in requests:
-            self.submit(req)
-            order.append(req.id)
-        done: dict[str, RequestResult] = {}
-        while self.has_work:
-            for res in self.step().finished:
-                done[res.id] = res
-        return [done[i] for i in order]
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()

@@ -20,21 +20,18 @@ tokens, so in fp32 every request's output equals its own single-request AR outpu
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
-
 import torch
 
+from specpilot.engine.batching.queue import RequestQueue
 from specpilot.engine.batching.request import Request, RequestResult, StepReport
 from specpilot.engine.loop import GenerationResult
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.verify import cut_at_stop
-from specpilot.errors import PromptTooLongError
 
 __all__ = ["StaticScheduler"]
 
 
-class StaticScheduler:
+class StaticScheduler(RequestQueue):
     """Continuous batching over the rows of a :class:`StaticEngine` (see the module docstring)."""
 
     def __init__(
@@ -48,12 +45,11 @@ class StaticScheduler:
         self.engine = engine
         self.max_context = max_context
         engine.open_rows(slots, max_context)
-        self.steps = 0
+        super().__init__()
         self._rows: list[Request | None] = [None] * slots
         self._results = [self._idle() for _ in range(slots)]  # per row, engine-side
         self._active = [False] * slots
         self._admitted_step = [0] * slots
-        self._waiting: deque[Request] = deque()
 
     @staticmethod
     def _idle() -> GenerationResult:
@@ -68,51 +64,11 @@ class StaticScheduler:
     def running(self) -> int:
         return sum(r is not None for r in self._rows)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._waiting) or self.running > 0
-
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
-        if prompt_len + max_new_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
-                f"scheduler's context of {self.max_context}; shorten the prompt or lower "
-                "max_new_tokens."
-            )
-
-    def submit(self, request: Request) -> None:
-        """Queue a request; it takes a row at the start of a later step."""
-        self.check_fits(len(request.prompt_ids), request.max_new_tokens)
-        self._waiting.append(request)
-
-    def cancel(self, request_id: str) -> RequestResult | None:
-        """Drop a waiting or running request now; its result so far (``cancelled``), if any."""
-        for req in self._waiting:
-            if req.id == request_id:
-                self._waiting.remove(req)
-                return RequestResult(req.id, list(req.prompt_ids), [], "cancelled")
+    def _cancel_running(self, request_id: str) -> RequestResult | None:
         for row, held in enumerate(self._rows):
             if held is not None and held.id == request_id:
                 return self._leave(row, "cancelled")
         return None
-
-    def run(self, requests: Iterable[Request]) -> list[RequestResult]:
-        """Submit every request, step until all are done; results in submission order."""
-        order = []
-        for req in requests:
-            self.submit(req)
-            order.append(req.id)
-        done: dict[str, RequestResult] = {}
-        while self.has_work:
-            for res in self.step().finished:
-                done[res.id] = res
-        return [done[i] for i in order]
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
