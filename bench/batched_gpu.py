@@ -34,19 +34,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specpilot.bench.static_runs import (
     add_simulation_options,
     check_rows,
     run_header,
     run_twice,
     simulation_label,
+    synthetic_deployment,
 )
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.widths import FixedWidths, RowBlockLength, TieredBudget, WidthPolicy
-from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -88,19 +86,14 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[], WidthPolicy | N
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
-    shape, dshape = ("tiny-llama", "tiny-block") if args.tiny else ("llama3-8b", "dflash-b16")
-    target = build_target(shape, dev, dtype, seed=args.seed, max_positions=1024)
-    if args.peaked:
-        make_peaked(target)
-    block = build_block_drafter(target, dshape)
+    dep = synthetic_deployment(args.tiny, args.seed, args.peaked, max_positions=1024)
+    target, block, dev = dep.target, dep.block, dep.target.device
     taus = [float(x) for x in args.taus.split(",")]
     bsize = block.k + 1
     profiles = [AcceptanceProfile.constant(tau, block.k) for tau in taus]
     label = (
-        f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL}, per-row τ cycling "
+        f"{dep.label()} · {SIM_LABEL}, per-row τ cycling "
         f"{{{', '.join(f'{x:g}' for x in taus)}}} at block {bsize}" + simulation_label(args)
     )
     result: dict[str, Any] = {

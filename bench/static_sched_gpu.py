@@ -38,12 +38,11 @@ from typing import Any
 
 import torch
 
-from specpilot.bench.static_runs import check_rows, run_header
+from specpilot.bench.static_runs import check_rows, run_header, synthetic_deployment
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.engine.batching import Request
 from specpilot.engine.batching.static_scheduler import StaticScheduler
 from specpilot.engine.static_engine import StaticEngine
-from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -115,15 +114,13 @@ def static_batches(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
-    shape, dshape = ("tiny-llama", "tiny-block") if args.tiny else ("llama3-8b", "dflash-b16")
-    target = make_peaked(build_target(shape, dev, dtype, seed=args.seed, max_positions=2048))
-    block = build_block_drafter(target, dshape)
+    dep = synthetic_deployment(args.tiny, args.seed, peaked=True, max_positions=2048)
+    target, block, dev = dep.target, dep.block, dep.target.device
     profile = AcceptanceProfile.parse(args.profile)
     label = (
-        f"{shape} {str(dtype).removeprefix('torch.')} · peaked random target · {dshape} · "
+        f"{dep.shape} {str(target.dtype).removeprefix('torch.')} · peaked random target · "
+        f"{dep.draft_shape} · "
         f"{SIM_LABEL} ({args.profile}) · {args.requests} requests at concurrency "
         f"{args.concurrency}, max_new {args.min_new}..{args.max_new}"
     )

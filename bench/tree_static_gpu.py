@@ -34,21 +34,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specpilot.bench.static_runs import (
     add_simulation_options,
     check_rows,
     run_header,
     run_twice,
     simulation_label,
+    synthetic_deployment,
 )
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees, TreePolicy
-from specpilot.synthetic import build_block_drafter, build_target, make_peaked
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -120,18 +118,13 @@ def spec_row(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if args.tiny else torch.bfloat16
     args.out.mkdir(parents=True, exist_ok=True)
-    shape, dshape = ("tiny-llama", "tiny-block") if args.tiny else ("llama3-8b", "dflash-b16")
-    target = build_target(shape, dev, dtype, seed=args.seed, max_positions=2048)
-    if args.peaked:
-        make_peaked(target)
-    block = build_block_drafter(target, dshape)
+    dep = synthetic_deployment(args.tiny, args.seed, args.peaked, max_positions=2048)
+    target, block, dev = dep.target, dep.block, dep.target.device
     k = block.k
     profile = AcceptanceProfile.parse(args.profile)
     label = (
-        f"{shape} {str(dtype).removeprefix('torch.')} · {dshape} · {SIM_LABEL} "
+        f"{dep.label()} · {SIM_LABEL} "
         f"(chain profile {args.profile}, p_sibling {args.p_sibling:g})" + simulation_label(args)
     )
     result: dict[str, Any] = {

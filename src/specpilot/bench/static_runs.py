@@ -6,16 +6,48 @@ import argparse
 import datetime
 import platform
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specpilot.bench.records import git_rev
+from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.engine.loop import GenerationResult
 from specpilot.engine.static_engine import StaticEngine
 from specpilot.forcing import force_tokens
 from specpilot.models.transformer import Transformer
+from specpilot.synthetic import build_block_drafter, build_target, make_peaked
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticDeployment:
+    """The seeded target and block drafter of the static-engine GPU benches."""
+
+    target: Transformer
+    block: BlockDrafter
+    shape: str
+    draft_shape: str
+
+    def label(self) -> str:
+        """``<shape> <dtype> · <draft shape>``, how each bench's label starts."""
+        dtype = str(self.target.dtype).removeprefix("torch.")
+        return f"{self.shape} {dtype} · {self.draft_shape}"
+
+
+def synthetic_deployment(
+    tiny: bool, seed: int, peaked: bool, max_positions: int
+) -> SyntheticDeployment:
+    """llama3-8b bf16 with a DFlash-b16-shaped block drafter on the GPU (``tiny``: the tiny
+    fp32 shapes on the CPU); ``peaked``: ``synthetic.make_peaked`` on the target."""
+    dev = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    shape, dshape = ("tiny-llama", "tiny-block") if tiny else ("llama3-8b", "dflash-b16")
+    target = build_target(shape, dev, dtype, seed=seed, max_positions=max_positions)
+    if peaked:
+        make_peaked(target)
+    return SyntheticDeployment(target, build_block_drafter(target, dshape), shape, dshape)
 
 
 def run_twice(
