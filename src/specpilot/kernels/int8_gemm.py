@@ -35,6 +35,7 @@ from specpilot.kernels.w12_gemm import (
     _bf16_to_f32,
     _split,
     _store_tile,
+    _tile,
     _x_operand,
     counter_buffer,
     default_config,
@@ -94,15 +95,9 @@ def _int8_kernel(
     MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
+    pid_m, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, k_lo, k_hi = _tile(
+        M, N, K, k_split, BLOCK_M, BLOCK_N
+    )
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:

@@ -149,6 +149,20 @@ def _f32_to_bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output tile (grid: N tiles, M tiles, K splits): program ids, row and column
+    offsets ``[BM]``, ``[BN]`` with their bounds masks, and its K range ``[k_lo, k_hi)``."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    return pid_m, pid_n, pid_k, offs_m, offs_n, offs_m < M, offs_n < N, k_lo, k_hi
+
+
+@triton.jit
 def _store_tile(
     acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
     M, N, pid_m, pid_n, pid_k, split,
@@ -304,15 +318,9 @@ def _linear_kernel(
     MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
+    pid_m, pid_n, pid_k, offs_m, offs_n, m_ok, n_ok, k_lo, k_hi = _tile(
+        M, N, K, k_split, BLOCK_M, BLOCK_N
+    )
     if W12:  # a loaded tensor, not a splat of the scalar argument: Triton then moves the decode
         # into the MMA operand layout (after the shared-memory load) instead of decoding in a
         # blocked layout and converting through shared memory with barriers
