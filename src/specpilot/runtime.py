@@ -73,6 +73,10 @@ def load_model(
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 
+BLOCK_KNOBS = ("layers", "context_layers", "seed")
+"""Knobs of the block drafter: its decoder layers, the target layers it reads, its weights' seed."""
+
+
 def build_drafter(
     name: str | None,
     target: LoadedModel,
@@ -88,6 +92,7 @@ def build_drafter(
             f"Unknown drafter '{name}'; choose one of none, {', '.join(sorted(DRAFTERS))}."
         )
     knobs = dict(knobs or {})
+    vocab = target.model.cfg.vocab_size
     if name == "draft-model" and draft_model is None and "exit_layers" in knobs:
         # No separate draft model: the target's first ``exit_layers`` layers draft (early exit).
         from specpilot.drafters.early_exit import early_exit_model
@@ -96,17 +101,34 @@ def build_drafter(
             early = early_exit_model(target.model, int(knobs["exit_layers"]))
         except ValueError as e:
             raise SpecPilotError(f"{e}.") from None
-        return make_drafter(name, model=early, k=k, target_vocab_size=target.model.cfg.vocab_size)
+        return make_drafter(name, model=early, k=k, target_vocab_size=vocab)
     if name == "draft-model":
         if draft_model is None:
             raise SpecPilotError(
                 "The draft-model drafter needs --draft-model (a smaller model with the same tokenizer)."
             )
         check_same_vocabulary(target, draft_model)
-        return make_drafter(
-            name, model=draft_model.model, k=k, target_vocab_size=target.model.cfg.vocab_size
+        return make_drafter(name, model=draft_model.model, k=k, target_vocab_size=vocab)
+    if name == "block":
+        unknown = set(knobs) - set(BLOCK_KNOBS)
+        if unknown:
+            raise SpecPilotError(f"The block drafter has no knob(s) {sorted(unknown)}.")
+        from specpilot.drafters.block_drafter import BlockDrafter
+
+        drafter = BlockDrafter(
+            target.model,
+            num_layers=int(knobs.get("layers", 5)),
+            block=k + 1,
+            num_context_layers=int(knobs.get("context_layers", 5)),
         )
-    return make_drafter(name, k=k, device=target.model.device, **knobs)
+        # Random weights of the published shape (no checkpoint format is loaded yet): for timing
+        # under --simulate-acceptance; real acceptance of random weights is near zero.
+        drafter.weights.init_random(int(knobs.get("seed", 0)))
+        return drafter
+    try:
+        return make_drafter(name, k=k, **knobs)
+    except (TypeError, ValueError) as e:
+        raise SpecPilotError(f"The {name} drafter: {e}.") from None
 
 
 def check_same_vocabulary(target: LoadedModel, drafter: LoadedModel) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specpilot.bench.records import RunRecord, make_record
-from specpilot.engine import AcceptanceStats, GenerationResult, SpecEngine
+from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.models.transformer import Transformer
 
@@ -20,7 +20,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_generate(
-    engine: SpecEngine,
+    engine: Engine,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     eos_ids: Sequence[int],
@@ -30,17 +30,17 @@ def timed_generate(
     dev = engine.target.device
     synchronize(dev)
     t0 = time.perf_counter()
-    result = engine.generate([prompt_ids], max_new_tokens, eos_ids, on_commit)[0]
+    result = generate(engine, [prompt_ids], max_new_tokens, eos_ids, on_commit)[0]
     synchronize(dev)
     return result, time.perf_counter() - t0
 
 
 def warm_up(
-    engines: Sequence[SpecEngine], prompt_ids: Sequence[int], eos_ids: Sequence[int]
+    engines: Sequence[Engine], prompt_ids: Sequence[int], eos_ids: Sequence[int]
 ) -> None:
     """Keep allocation, kernel selection and first-call costs out of the timings."""
     for e in engines:
-        e.generate([prompt_ids], 8, eos_ids)
+        generate(e, [prompt_ids], 8, eos_ids)
 
 
 @dataclass(slots=True)
@@ -78,8 +78,8 @@ class BenchSummary:
 
 
 def run_pair(
-    ar_engine: SpecEngine,
-    spec_engine: SpecEngine,
+    ar_engine: Engine,
+    spec_engine: Engine,
     prompt_id: str,
     prompt_ids: list[int],
     max_new_tokens: int,

@@ -1,19 +1,21 @@
-"""Drafters behind one protocol, registered by name."""
+"""Drafters behind one protocol (``drafters/base.py``), registered by name."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from specpilot.drafters.base import Drafter, DraftProposal
+from specpilot.drafters.base import Drafter, DraftRows
+from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.draft_model import DraftModelDrafter
 from specpilot.drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     NgramDrafter.name: NgramDrafter,
     DraftModelDrafter.name: DraftModelDrafter,
+    BlockDrafter.name: BlockDrafter,
 }
-"""Name → constructor. The engine and CLI dispatch through this table only."""
+"""Name → constructor. The composition root and the CLI dispatch through this table only."""
 
 
 def make_drafter(name: str, **knobs: Any) -> Drafter:
@@ -28,8 +30,9 @@ def make_drafter(name: str, **knobs: Any) -> Drafter:
 
 __all__ = [
     "DRAFTERS",
+    "BlockDrafter",
     "DraftModelDrafter",
-    "DraftProposal",
+    "DraftRows",
     "Drafter",
     "NgramDrafter",
     "make_drafter",

@@ -17,19 +17,17 @@ accepted ones (slots ``< committed_len - 1``) stay visible: the block is written
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
+from specpilot.drafters.base import DraftRows
+from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
-from specpilot.models.static_forward import StaticForward
+from specpilot.models.layout import DenseLayout
 from specpilot.models.transformer import DecoderLayer, Transformer
-
-if TYPE_CHECKING:
-    from specpilot.engine.static_engine import StaticEngine
 
 
 def default_hidden_layers(num_target_layers: int, count: int) -> tuple[int, ...]:
@@ -70,6 +68,7 @@ class BlockDrafterWeights(nn.Module):
 
 class BlockDrafter:
     name = "block"
+    graph_safe = True
 
     def __init__(
         self,
@@ -91,86 +90,74 @@ class BlockDrafter:
         self.weights = BlockDrafterWeights(
             self.cfg, len(self.hidden_layers), target.dtype, target.device
         )
-        self.fwd = StaticForward(target)
+        self.fwd = Forward(target, layers=self._layers())
         self.cache: KVCache | None = None
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.weights.parameters())
 
-    def bind(self, engine: StaticEngine) -> None:
-        assert engine.cache is not None
-        cache = engine.cache
+    def bind(self, rows: DraftRows) -> None:
+        st = rows.state
         self.cache = KVCache.allocate(
-            self.cfg, cache.batch_size, cache.max_seq_len, self.target.dtype, self.target.device
+            self.cfg, st.batch_size, st.capacity, self.target.dtype, self.target.device
         )
 
     def _layers(self) -> list[DecoderLayer]:
         return [lyr for lyr in self.weights.layers if isinstance(lyr, DecoderLayer)]
 
-    def _write_context(self, hidden: Tensor, start: Tensor, cache: KVCache | None = None) -> None:
-        """``hidden [n_sel, B, T, H]`` target states → context K/V at slots ``start + t`` of
-        ``cache`` (default: the drafter's whole cache)."""
-        cache = self.cache if cache is None else cache
-        assert cache is not None
+    def _write_context(self, hidden: Tensor, start: Tensor, cache: KVCache) -> None:
+        """``hidden [n_sel, B, T, H]`` target states → context K/V at slots ``start + t``."""
         n, b, t, h = hidden.shape
         feats = hidden.permute(1, 2, 0, 3).reshape(b * t, n * h)  # [B*T, n_sel*H]
         ctx = self.fwd.norm(F.linear(feats, self.weights.fc), self.weights.hidden_norm)  # [B*T, H]
-        positions = (start[:, None] + torch.arange(t, device=hidden.device)).reshape(b * t)
-        for i, layer in enumerate(self._layers()):
-            self.fwd.write_kv(layer, ctx, cache.k[i], cache.v[i], positions, b)
+        lay = DenseLayout.writes(start, t)
+        for i, layer in enumerate(self.fwd.layers):
+            self.fwd.write_kv(layer, ctx, cache.k[i], cache.v[i], lay)
 
     def prefill(
-        self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
-    ) -> None:
-        assert hidden is not None
-        self._write_context(hidden, torch.zeros_like(prompt_lens))
-
-    def prefill_row(
-        self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
+        self,
+        rows: DraftRows,
+        first_row: int,
+        tokens: Tensor,
+        start: Tensor,
+        attn_len: int,
+        hidden: Tensor | None,
     ) -> None:
         assert hidden is not None and self.cache is not None
-        start = torch.zeros(1, dtype=torch.int64, device=prompt.device)
-        self._write_context(hidden, start, self.cache.row(row))
+        self._write_context(hidden, start, self.cache.slice(first_row, tokens.shape[0]))
 
-    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
+    def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         return None
 
-    def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
-        return engine.bucket(max_committed + max(self.block, self.k + 1))
+    def attn_len(self, rows: DraftRows, max_committed: int) -> int:
+        return rows.bucket(max_committed + max(self.block, self.k + 1))
 
-    def draft(self, engine: StaticEngine, attn_len: int) -> None:
-        assert engine.state is not None
-        logits = self._block_logits(engine, attn_len)  # [B, k, V]
-        engine.state.drafts[:, : self.k].copy_(logits.argmax(dim=-1))
-        engine.state.draft_lens.fill_(self.k)
+    def propose(self, rows: DraftRows, attn_len: int) -> None:
+        logits = self._block_logits(rows, attn_len)  # [B, k, V]
+        rows.state.drafts[:, : self.k].copy_(logits.argmax(dim=-1))
+        rows.state.draft_lens.fill_(self.k)
 
-    def draft_candidates(self, engine: StaticEngine, attn_len: int, out: Tensor) -> None:
+    def draft_candidates(self, rows: DraftRows, attn_len: int, out: Tensor) -> None:
         """The R best tokens of each block position (``out [B, k, R]``), for static trees; the
         first choices also go to ``drafts`` as a chain."""
-        assert engine.state is not None
-        logits = self._block_logits(engine, attn_len)  # [B, k, V]
+        logits = self._block_logits(rows, attn_len)  # [B, k, V]
         out.copy_(logits.topk(out.shape[2], dim=-1).indices)
-        engine.state.drafts[:, : self.k].copy_(out[:, :, 0])
-        engine.state.draft_lens.fill_(self.k)
+        rows.state.drafts[:, : self.k].copy_(out[:, :, 0])
+        rows.state.draft_lens.fill_(self.k)
 
-    def _block_logits(self, engine: StaticEngine, attn_len: int) -> Tensor:
+    def _block_logits(self, rows: DraftRows, attn_len: int) -> Tensor:
         """One drafter forward over ``[pending, mask × k]``; logits of rows 1.. ``[B, k, V]``."""
-        st, cache, hidden = engine.state, self.cache, engine.verify_hidden
-        assert st is not None and cache is not None and hidden is not None
-        self._write_context(hidden, st.prev_committed - 1)
+        st, cache, hidden = rows.state, self.cache, rows.verify_hidden
+        assert cache is not None and hidden is not None
+        self._write_context(hidden, st.prev_committed - 1, cache)
         b = st.pending.shape[0]
         block = torch.full(
             (b, self.block), self.mask_token_id, dtype=torch.int64, device=st.pending.device
         )
         block[:, 0] = st.pending
-        x = F.embedding(block, self.target.embed)  # [B, block, H]
-        out = self.fwd.run_layers(
-            self._layers(), x, cache, st.committed_len - 1, attn_len, causal=False
-        )  # [B*block, H]
-        rows = out.view(b, self.block, -1)[:, 1:].reshape(b * self.k, -1)  # [B*k, H]
-        return self.fwd.logits(rows).view(b, self.k, -1)
+        out = self.fwd.dense(block, cache, st.committed_len - 1, attn_len, causal=False)
+        rows_out = out.view(b, self.block, -1)[:, 1:].reshape(b * self.k, -1)  # [B*k, H]
+        return self.fwd.logits(rows_out).view(b, self.k, -1)
 
-    def after_cycle(
-        self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]
-    ) -> None:
+    def observe(self, rows: DraftRows, committed: Sequence[tuple[int, int, list[int]]]) -> None:
         return None

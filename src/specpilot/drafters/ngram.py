@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from specpilot.drafters.base import DraftProposal
+from specpilot.drafters.base import DraftRows, HostDrafter
 from specpilot.drafters.tree import TreeProposal, TreeShape, TrieBuilder, empty_trees, pack_trees
 
 RECENT_OCCURRENCES = 8
@@ -27,28 +25,25 @@ class _RowIndex:
     recent: dict[tuple[int, ...], list[int]] = field(default_factory=dict)  # gram -> positions
 
 
-class NgramDrafter:
+class NgramDrafter(HostDrafter):
     """Proposes up to ``k`` tokens by matching the longest suffix n-gram (``max_n`` down to ``min_n``)."""
 
     name = "ngram"
 
-    def __init__(
-        self, k: int = 8, max_n: int = 3, min_n: int = 1, device: torch.device | str = "cpu"
-    ) -> None:
+    def __init__(self, k: int = 8, max_n: int = 3, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"ngram sizes must satisfy 1 <= min_n <= max_n, got {min_n}..{max_n}")
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
         self.k, self.max_n, self.min_n = k, max_n, min_n
-        self.device = torch.device(device)
         self._rows: list[_RowIndex] = []
 
-    def start(self, contexts: Sequence[Sequence[int]]) -> None:
-        self._rows = [_RowIndex() for _ in contexts]
+    def bind(self, rows: DraftRows) -> None:
+        self._rows = [_RowIndex() for _ in range(rows.state.batch_size)]
 
-    def reset_row(self, row: int) -> None:
-        """Forget row ``row``'s index: its slot now holds another sequence."""
-        if row < len(self._rows):
+    def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
+        """These rows hold new sequences: forget their indexes."""
+        for row in which:
             self._rows[row] = _RowIndex()
 
     def _index(self, row: _RowIndex, ctx: Sequence[int]) -> None:
@@ -96,25 +91,20 @@ class NgramDrafter:
                 trie.insert(ctx[pos : pos + trie.max_depth])
         return trie
 
-    def propose_tree(
-        self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int], shape: TreeShape
-    ) -> TreeProposal:
-        """Several candidate continuations per row, merged into one tree under ``shape``."""
-        if max(max_lens, default=0) <= 0:
-            return empty_trees(len(contexts))
+    def propose_tree(self, rows: DraftRows, shape: TreeShape) -> TreeProposal:
+        """Several candidate continuations per decoding row, merged into one tree under ``shape``."""
+        contexts, active = rows.contexts, rows.active
+        if not any(active):
+            return empty_trees(len(active))
         tries = [
-            self.lookup_tree(row, ctx, shape, m)
-            for row, ctx, m in zip(self._rows, contexts, max_lens, strict=True)
+            self.lookup_tree(index, ctx, shape, shape.depth).nodes if a else []
+            for index, ctx, a in zip(self._rows, contexts, active, strict=True)
         ]
-        return pack_trees([t.nodes for t in tries])
+        return pack_trees(tries)
 
-    def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
+    def propose(self, rows: DraftRows, attn_len: int) -> list[int]:
         drafts = [
-            self.lookup(row, ctx, min(self.k, m))
-            for row, ctx, m in zip(self._rows, contexts, max_lens, strict=True)
+            self.lookup(index, ctx, self.k) if a else []
+            for index, ctx, a in zip(self._rows, rows.contexts, rows.active, strict=True)
         ]
-        width = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), width, dtype=torch.int64)
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        return DraftProposal(tokens=tokens.to(self.device), lengths=[len(d) for d in drafts])
+        return rows.write_drafts(drafts)

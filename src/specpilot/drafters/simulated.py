@@ -6,12 +6,12 @@ SGLang's ``SGLANG_SIMULATE_ACC_LEN``, but lossless: verification stays real, so 
 token is still the target's argmax, and the number accepted is whatever the real verify accepts.
 
 Where the oracle comes from: a plain AR run of the *same* engine from the committed state
-(:meth:`StaticEngine.reference_continuation`), once after prefill. Its tokens are what the target
+(``DraftRows.reference_continuation``), once after prefill. Its tokens are what the target
 will commit, so drafting them makes the real verify accept exactly up to the injected miss. In
 bf16 a verify forward (width k + 1) can round differently from the AR forward (width 1) and, at a
 near-tie, pick another token; the trajectory then leaves the oracle. The wrapper sees that on the
 host (committed ≠ oracle), counts a *divergence* and recomputes the oracle from there. Reference
-runs are excluded from the engine's timed wall clock (``CycleTimes.excluded``).
+runs are excluded from the engine's timed wall clock (``CycleTimes.excluded``). It wraps any\ndrafter; it is graph-safe when the drafter it wraps is.
 
 Profiles: ``tau=6.5,block=16`` (τ = committed tokens per cycle **including the bonus**, drafts
 per cycle = block - 1, every position accepted with the same conditional rate α solving
@@ -40,15 +40,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from specpilot.drafters.static_base import StaticDrafter
-
-if TYPE_CHECKING:
-    from specpilot.engine.static_engine import StaticEngine
+from specpilot.drafters.base import Drafter, DraftRows
 
 SIM_LABEL = "simulated acceptance"
 STRATUM = 64
@@ -136,11 +132,11 @@ class AcceptanceProfile:
 
 
 class SimulatedAcceptance:
-    """Wraps a :class:`StaticDrafter`; see the module docstring."""
+    """Wraps a :class:`Drafter`; see the module docstring."""
 
     def __init__(
         self,
-        inner: StaticDrafter,
+        inner: Drafter,
         profile: AcceptanceProfile,
         seed: int = 0,
         row_profiles: Sequence[AcceptanceProfile] = (),
@@ -162,6 +158,7 @@ class SimulatedAcceptance:
         self.name = f"{inner.name} ({SIM_LABEL})"
         self.k = inner.k
         self.hidden_layers = inner.hidden_layers
+        self.graph_safe = inner.graph_safe
         self.divergences = 0
         self.reference_runs = 0
         self.chunk = max(64, 4 * (inner.k + 1))
@@ -174,10 +171,9 @@ class SimulatedAcceptance:
         self._first_hit: Tensor | None = None  # [B, S, k] bool: rank 0 right past the miss
         self._sibling_hit: Tensor | None = None  # [B, S, k] bool: rank 1 right on a rank-0 miss
 
-    def bind(self, engine: StaticEngine) -> None:
-        self.inner.bind(engine)
-        st = engine.state
-        assert st is not None
+    def bind(self, rows: DraftRows) -> None:
+        self.inner.bind(rows)
+        st = rows.state
         self._oracle = torch.zeros_like(st.tokens)
         if self.row_profiles:
             n = len(self.row_profiles)
@@ -189,7 +185,7 @@ class SimulatedAcceptance:
             sched = [self.profile.schedule(st.capacity, self.seed)] * st.batch_size
         dev = st.tokens.device
         self._schedule = torch.tensor(sched, dtype=torch.int64, device=dev)
-        self._vocab = engine.target.cfg.vocab_size
+        self._vocab = rows.target.cfg.vocab_size
         gen = torch.Generator().manual_seed(self.seed + 7)
         profiles = self.row_profiles or (self.profile,)
         rates = torch.tensor(
@@ -201,52 +197,51 @@ class SimulatedAcceptance:
         self._sibling_hit = (torch.rand(shape, generator=gen) < self.p_sibling).to(dev)
         self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
         self._covered = [0] * st.batch_size
+        self.divergences = 0
+        self.reference_runs = 0
 
     def prefill(
-        self, engine: StaticEngine, prompts: Tensor, prompt_lens: Tensor, hidden: Tensor | None
+        self,
+        rows: DraftRows,
+        first_row: int,
+        tokens: Tensor,
+        start: Tensor,
+        attn_len: int,
+        hidden: Tensor | None,
     ) -> None:
-        self.inner.prefill(engine, prompts, prompt_lens, hidden)
-        self.divergences = 0
-        st = engine.state
-        assert st is not None
-        self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
-        self._covered = [0] * st.batch_size
-        self.reference_runs = 0
-        self.reanchor(engine)
+        """The inner drafter sees the segment; these rows' oracles are forgotten (``admitted``
+        computes them). Their acceptance schedules go on from the shared cycle counter."""
+        self.inner.prefill(rows, first_row, tokens, start, attn_len, hidden)
+        for row in range(first_row, first_row + tokens.shape[0]):
+            self._host[row] = [-1] * len(self._host[row])
+            self._covered[row] = 0
 
-    def prefill_row(
-        self, engine: StaticEngine, row: int, prompt: Tensor, hidden: Tensor | None
-    ) -> None:
-        """Restart one row (continuous batching): forget its oracle (``rows_filled`` computes
-        it). Its acceptance schedule goes on from the shared cycle counter."""
-        self.inner.prefill_row(engine, row, prompt, hidden)  # type: ignore[attr-defined]
-        self._host[row] = [-1] * len(self._host[row])
-        self._covered[row] = 0
+    def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
+        """One reference run gives every newly decoding row its oracle."""
+        self.inner.admitted(rows, which)
+        self.reanchor(rows)
 
-    def rows_filled(self, engine: StaticEngine, rows: Sequence[int]) -> None:
-        """One reference run gives every refilled row its oracle."""
-        self.inner.rows_filled(engine, rows)  # type: ignore[attr-defined]
-        self.reanchor(engine)
-
-    def reanchor(self, engine: StaticEngine) -> None:
+    def reanchor(self, rows: DraftRows) -> None:
         """(Re)compute the next ``chunk`` oracle tokens from the committed state by a reference
         AR run of the engine."""
         assert self._oracle is not None
-        n = min(engine.oracle_horizon(), self.chunk)
-        cont = engine.reference_continuation(n)
+        n = min(rows.oracle_horizon(), self.chunk)
+        cont = rows.reference_continuation(n)
         self.reference_runs += 1
-        for row, (c, toks) in enumerate(zip(engine.committed_lens(), cont, strict=True)):
+        for row, (c, toks, a) in enumerate(zip(rows.committed_lens(), cont, rows.active, strict=True)):
+            if not a:
+                continue
             self._host[row][c : c + len(toks)] = toks
             self._oracle[row, c : c + len(toks)] = torch.tensor(toks, dtype=torch.int64)
             self._covered[row] = c + len(toks)
 
-    def attn_len(self, engine: StaticEngine, max_committed: int) -> int:
-        return self.inner.attn_len(engine, max_committed)
+    def attn_len(self, rows: DraftRows, max_committed: int) -> int:
+        return self.inner.attn_len(rows, max_committed)
 
-    def draft(self, engine: StaticEngine, attn_len: int) -> None:
-        self.inner.draft(engine, attn_len)  # the real compute; its proposal is then replaced
-        st, oracle, sched = engine.state, self._oracle, self._schedule
-        assert st is not None and oracle is not None and sched is not None
+    def propose(self, rows: DraftRows, attn_len: int) -> None:
+        self.inner.propose(rows, attn_len)  # the real compute; its proposal is then replaced
+        st, oracle, sched = rows.state, self._oracle, self._schedule
+        assert oracle is not None and sched is not None
         dev, k = oracle.device, self.k
         cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
         miss_at = sched.index_select(1, cycle)  # [B, 1]
@@ -257,12 +252,12 @@ class SimulatedAcceptance:
         st.drafts[:, :k].copy_(torch.where(pos == miss_at, wrong, window))
         st.draft_lens.fill_(k)
 
-    def draft_candidates(self, engine: StaticEngine, attn_len: int, out: Tensor) -> None:
+    def draft_candidates(self, rows: DraftRows, attn_len: int, out: Tensor) -> None:
         """Tree candidates ``out [B, k, R]`` under the simulated profile (module docstring)."""
-        self.inner.draft_candidates(engine, attn_len, out)  # type: ignore[attr-defined]
-        st, oracle, sched = engine.state, self._oracle, self._schedule
+        self.inner.draft_candidates(rows, attn_len, out)  # type: ignore[attr-defined]
+        st, oracle, sched = rows.state, self._oracle, self._schedule
         first, sib = self._first_hit, self._sibling_hit
-        assert st is not None and oracle is not None and sched is not None
+        assert oracle is not None and sched is not None
         assert first is not None and sib is not None
         dev, k, r = oracle.device, self.k, out.shape[2]
         cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
@@ -279,15 +274,14 @@ class SimulatedAcceptance:
         out.copy_(torch.where(right, window[:, :, None], wrong))
         st.drafts[:, :k].copy_(out[:, :, 0])
 
-    def after_cycle(
-        self, engine: StaticEngine, committed: Sequence[tuple[int, int, list[int]]]
-    ) -> None:
+    def observe(self, rows: DraftRows, committed: Sequence[tuple[int, int, list[int]]]) -> None:
+        self.inner.observe(rows, committed)
         diverged = any(
             self._host[row][pos : pos + len(toks)] != toks for row, pos, toks in committed
         )
         if diverged:
             self.divergences += 1
-        lens = engine.committed_lens()
+        lens = rows.committed_lens()
         short = any(lens[row] + self.k > self._covered[row] for row, _, _ in committed)
         if diverged or short:
-            self.reanchor(engine)
+            self.reanchor(rows)

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from specpilot.drafters.base import DraftRows
 from specpilot.drafters.tree import TreeShape
-
-if TYPE_CHECKING:
-    from specpilot.engine.static_engine import StaticEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +132,12 @@ def parse_tree(text: str, p_first: float = 0.7) -> StaticTree:
 
 @runtime_checkable
 class StaticTreeDrafter(Protocol):
-    """A static drafter that can give the top-R candidates of every block position."""
+    """A device drafter that can give the top-R candidates of every block position."""
 
     name: str
     k: int
 
-    def draft_candidates(self, engine: StaticEngine, attn_len: int, out: Tensor) -> None:
+    def draft_candidates(self, rows: DraftRows, attn_len: int, out: Tensor) -> None:
         """Fill ``out [B, k, R]`` (int64): the R best tokens of draft positions 1..k, best first;
         graph-safe (captured with the draft step)."""
         ...

@@ -15,6 +15,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from specpilot.drafters.base import DraftRows
+
 
 @dataclass(frozen=True, slots=True)
 class TreeShape:
@@ -143,13 +145,11 @@ class TrieBuilder:
 
 @runtime_checkable
 class TreeDrafter(Protocol):
-    """A drafter that can also propose trees (the tree verify strategy needs one)."""
+    """A host drafter that can also propose tries (the tree verify plan's host trees)."""
 
     name: str
     k: int
 
-    def propose_tree(
-        self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int], shape: TreeShape
-    ) -> TreeProposal:
-        """A tree per row whose depth never exceeds ``max_lens[b]``."""
+    def propose_tree(self, rows: DraftRows, shape: TreeShape) -> TreeProposal:
+        """A tree per decoding row (empty for the other rows) within ``shape``."""
         ...

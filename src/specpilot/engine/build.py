@@ -1,28 +1,29 @@
-"""Compose an engine from an :class:`EngineConfig`: load, build the drafter, apply mechanisms.
+"""The composition root: an :class:`EngineConfig` becomes the one engine every command runs.
 
-The core never names a mechanism: each enabled one receives this build and changes it through
-the plug points it declared (the target's ``argmax_head``, ``verify_fn``, the drafter, ...).
+``build_engine`` loads the target (or reuses one), builds the drafter, wraps it for simulated
+acceptance when the deployment asks for it, and applies every enabled mechanism in order. The
+core never names a mechanism: each receives this build and changes it through the plug points
+it declared (the target's ``linear_fns`` and ``argmax_head``, the drafter, the verify plan's
+width and tree policies). ``generate``, ``bench``, ``profile``, ``tune``, ``compare``, ``verify``
+and ``serve`` all get their engine, their AR baseline and their scheduler from here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from specpilot.drafters.base import Drafter
-from specpilot.drafters.static_base import StaticDrafter
-from specpilot.engine.batching import BatchScheduler, BlockPolicy, DraftPrefilter
+from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
+from specpilot.drafters.tree import TreeShape
 from specpilot.engine.config import EngineConfig
-from specpilot.engine.loop import SpecEngine, VerifyFn
-from specpilot.engine.strategy import VerifyStrategy
+from specpilot.engine.engine import Engine
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
+from specpilot.engine.scheduler import Scheduler
 from specpilot.engine.tree_policy import TreePolicy
-from specpilot.engine.verify import greedy_verify
 from specpilot.engine.widths import WidthPolicy
 from specpilot.errors import SpecPilotError
 from specpilot.runtime import LoadedModel, build_drafter, load_model, parse_device, parse_dtype
-
-if TYPE_CHECKING:
-    from specpilot.engine.static_engine import StaticEngine
 
 
 @dataclass(slots=True)
@@ -33,101 +34,102 @@ class EngineBuild:
     target: LoadedModel
     draft_model: LoadedModel | None
     drafter: Drafter | None
-    verify_fn: VerifyFn = greedy_verify
-    strategy: VerifyStrategy | None = None
-    """Verify strategy (plug point ``verify_strategy``); None = the chain with ``verify_fn``."""
-    block_policy: BlockPolicy | None = None
-    """Per-request block length in batched mode (plug point ``drafter_schedule``); None = k."""
-    prefilter: DraftPrefilter | None = None
-    """Cuts each row's drafts before the batched verify (plug point ``drafter_schedule``)."""
+    graphs: bool | None = None
+    """Run steps from CUDA graphs (None: on CUDA); ``--no-graphs`` sets False."""
     width_policy: WidthPolicy | None = None
-    """Per-row verify widths of the static batched engine (plug point ``drafter_schedule``)."""
+    """Per-row verify widths (plug point ``drafter_schedule``); None = every row k + 1."""
     packed_bucket: int = 0
-    """Packed ragged verify of the static engine: rows rounded up to this (0 = padded verify)."""
+    """Packed ragged verify: rows rounded up to this (0 = the dense chain)."""
     tree_policy: TreePolicy | None = None
-    """Static tree verify of the static engine: which tree each row verifies (None = chains)."""
+    """Static tree per row, filled from a drafter's candidates (plug point ``verify_strategy``)."""
+    tree_shape: TreeShape | None = None
+    """Bounds of a host drafter's trie per row (n-gram trees; plug point ``verify_strategy``)."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
 
-    def engine(self) -> SpecEngine:
-        return SpecEngine(
-            self.target.model, self.drafter, verify_fn=self.verify_fn, strategy=self.strategy
+    @property
+    def simulated(self) -> bool:
+        """Whether the drafter's acceptance is simulated (every figure must say so)."""
+        return self.config.deployment.simulate_acceptance is not None
+
+    @property
+    def label(self) -> str:
+        """The drafter as reports name it (``simulated acceptance`` included when it is)."""
+        if self.drafter is None:
+            return "none"
+        cfg = self.config
+        name = f"{cfg.deployment.drafter}(k={cfg.k})"
+        return f"{name}, {SIM_LABEL} {cfg.deployment.simulate_acceptance}" if self.simulated else name
+
+    def plan(self) -> VerifyPlan | None:
+        if self.drafter is None:
+            return None
+        if self.tree_policy is not None or self.tree_shape is not None:
+            return TreePlan(self.tree_policy, self.tree_shape, self.packed_bucket or 16)
+        if self.packed_bucket:
+            return PackedPlan(self.width_policy, self.packed_bucket)
+        return ChainPlan(self.width_policy)
+
+    def engine(self, **options: Any) -> Engine:
+        """The engine with this build's drafter and mechanisms (``options``: Engine keywords)."""
+        return Engine(
+            self.target.model, self.drafter, plan=self.plan(), graphs=self.graphs, **options
         )
+
+    def stock_engine(self, **options: Any) -> Engine:
+        """Plain AR over the same weights, on the same runner: the baseline for speedups."""
+        return Engine(self.target.model, graphs=self.graphs, **options)
 
     def scheduler(
-        self, slots: int, segment_tokens: int = 256, max_context: int | None = None
-    ) -> BatchScheduler:
-        """The continuous-batching scheduler over the same target, drafter and mechanisms."""
-        self.check_scheduler()
-        return BatchScheduler(
-            self.target.model,
-            self.drafter,
-            slots=slots,
-            segment_tokens=segment_tokens,
-            max_context=max_context,
-            block_policy=self.block_policy,
-            verify_fn=self.verify_fn,
-            prefilter=self.prefilter,
-        )
+        self,
+        slots: int,
+        segment_tokens: int | None = 256,
+        max_context: int | None = None,
+        stock: bool = False,
+    ) -> Scheduler:
+        """Continuous batching over this build's engine (``stock``: over batched plain AR)."""
+        engine = self.stock_engine() if stock else self.engine()
+        return Scheduler(engine, slots=slots, segment_tokens=segment_tokens, max_context=max_context)
 
-    def check_scheduler(self) -> None:
-        """Refuse a build the continuous-batching scheduler would run only in part: it verifies
-        chains and does not carry out the static engine's plug points, and ignoring an enabled
-        mechanism silently would misreport what was measured or served."""
-        if self.strategy is not None:
-            raise SpecPilotError(
-                f"Batched mode verifies chains; the '{self.strategy.name}' verify strategy is "
-                "not supported there yet."
+
+def simulate(drafter: Drafter | None, profile_text: str, seed: int = 0) -> SimulatedAcceptance:
+    """``drafter`` under simulated acceptance (``tau=6.5,block=16`` or ``rates=...``)."""
+    if drafter is None:
+        raise SpecPilotError("Simulated acceptance needs a drafter; choose one with --drafter.")
+    try:
+        profile = AcceptanceProfile.parse(profile_text)
+        if profile.k != drafter.k:
+            raise ValueError(
+                f"the profile has {profile.k} draft positions but the drafter drafts {drafter.k} "
+                f"tokens; give -k {profile.k} or block={drafter.k + 1}"
             )
-        if self.width_policy is not None or self.packed_bucket or self.tree_policy is not None:
-            from specpilot.mechanisms import MECHANISMS
-
-            static = [n for n in self.config.mechanisms if not MECHANISMS[n].runs_on("scheduler")]
-            names = ", ".join(static) or "a static-engine mechanism"
-            raise SpecPilotError(
-                f"The continuous-batching scheduler cannot run static-engine mechanisms ({names}); "
-                "remove them from the engine config or use the static engine's benches."
-            )
-
-    def stock_scheduler(
-        self, slots: int, segment_tokens: int = 256, max_context: int | None = None
-    ) -> BatchScheduler:
-        """Batched plain AR over the same weights: the baseline for batched speedups."""
-        return BatchScheduler(
-            self.target.model, slots=slots, segment_tokens=segment_tokens, max_context=max_context
-        )
-
-    def static_engine(self, drafter: StaticDrafter | None, **options: Any) -> StaticEngine:
-        """The static (CUDA-graph) engine over the target with this build's batched mechanisms."""
-        from specpilot.engine.static_engine import StaticEngine
-
-        return StaticEngine(
-            self.target.model,
-            drafter,
-            width_policy=self.width_policy,
-            packed_bucket=self.packed_bucket,
-            tree_policy=self.tree_policy,
-            **options,
-        )
-
-    def stock_engine(self) -> SpecEngine:
-        """Plain AR over the same weights: the baseline for speedups."""
-        return SpecEngine(self.target.model)
+        return SimulatedAcceptance(drafter, profile, seed=seed)
+    except ValueError as e:
+        raise SpecPilotError(f"--simulate-acceptance: {e}.") from None
 
 
 def build_engine(
-    config: EngineConfig, max_context: int = 8192, target: LoadedModel | None = None
+    config: EngineConfig,
+    max_context: int = 8192,
+    target: LoadedModel | None = None,
+    graphs: bool | None = None,
 ) -> EngineBuild:
     """Load (or reuse ``target``), build the drafter, and apply every enabled mechanism in order."""
     from specpilot.mechanisms import MECHANISMS
 
     dep = config.deployment
     dtype, device = parse_dtype(dep.dtype), parse_device(dep.device)
+    if graphs and device.type != "cuda":
+        raise SpecPilotError("CUDA graphs need --device cuda; drop --graphs on the CPU.")
     if target is None:
         target = load_model(dep.target, dtype, device, max_context)
     draft = load_model(dep.draft_model, dtype, device, max_context) if dep.draft_model else None
     drafter = build_drafter(dep.drafter, target, config.k, draft, config.drafter_knobs)
-    build = EngineBuild(config=config, target=target, draft_model=draft, drafter=drafter)
+    if dep.simulate_acceptance is not None:
+        drafter = simulate(drafter, dep.simulate_acceptance)
+    build = EngineBuild(
+        config=config, target=target, draft_model=draft, drafter=drafter, graphs=graphs
+    )
     cfg = target.model.cfg
     drafter_name = dep.drafter if drafter is not None else "none"
     for name, given in config.mechanisms.items():

@@ -1,6 +1,6 @@
 """The engine config: a deployment plus the mechanisms enabled on it, as JSON.
 
-``tune`` writes it; ``generate``, ``bench`` (and later ``compare`` and ``serve``) read it with
+``tune`` writes it; ``generate``, ``bench``, ``profile``, ``compare`` and ``serve`` read it with
 ``--engine tuned.json``. Mechanism names and knobs are validated against the registry on load,
 so a config that names an unknown mechanism or an out-of-range knob fails with one sentence.
 """
@@ -24,18 +24,29 @@ class DeploymentSpec:
     target: str
     """Known model name, HF directory or .gguf file."""
     drafter: str = "ngram"
-    """``none``, ``ngram`` or ``draft-model``."""
+    """``none``, ``ngram``, ``draft-model`` or ``block``."""
     draft_model: str | None = None
     dtype: str = "fp32"
     device: str = "auto"
     mode: str = "single"
     """``single`` (one request at a time) or ``batched``."""
+    simulate_acceptance: str | None = None
+    """An acceptance profile (``tau=6.5,block=16`` or ``rates=0.9,0.8``): the drafter runs for
+    real but its proposals follow the profile (``drafters/simulated.py``); every figure says
+    "simulated acceptance". None: real acceptance."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise SpecPilotError(
                 f"Deployment mode must be one of {', '.join(MODES)}, got '{self.mode}'."
             )
+        if self.simulate_acceptance is not None:
+            from specpilot.drafters.simulated import AcceptanceProfile
+
+            try:
+                AcceptanceProfile.parse(self.simulate_acceptance)
+            except ValueError as e:
+                raise SpecPilotError(f"--simulate-acceptance: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,8 @@ class EngineConfig:
         d = asdict(self)
         if d["segment_tokens"] is None:  # unset: the JSON (and the config hash) stay as before
             del d["segment_tokens"]
+        if d["deployment"]["simulate_acceptance"] is None:
+            del d["deployment"]["simulate_acceptance"]
         return json.dumps(d, indent=2)
 
     def save(self, path: Path) -> None:

@@ -38,6 +38,10 @@ class TreePolicy(Protocol):
         """Row ``row`` verified a tree of depth ``drafted`` and accepted a path of ``accepted``."""
         ...
 
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` takes a new sequence (continuous batching)."""
+        ...
+
 
 class FixedTree:
     name = "fixed_tree"
@@ -56,6 +60,9 @@ class FixedTree:
         return [self.tree] * len(active)
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
+        return None
+
+    def reset_row(self, row: int) -> None:
         return None
 
 
@@ -108,3 +115,6 @@ class RaggedTrees:
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         self.ema.observe(row, drafted, accepted)
+
+    def reset_row(self, row: int) -> None:
+        self.ema.reset_row(row)

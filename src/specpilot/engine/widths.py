@@ -39,6 +39,10 @@ class WidthPolicy(Protocol):
         """Row ``row`` verified ``drafted`` drafts and accepted the first ``accepted``."""
         ...
 
+    def reset_row(self, row: int) -> None:
+        """Row ``row`` takes a new sequence (continuous batching): forget the old one."""
+        ...
+
 
 class FixedWidths:
     name = "fixed"
@@ -53,6 +57,9 @@ class FixedWidths:
         return [self.k + 1 if a else 0 for a in active]
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
+        return None
+
+    def reset_row(self, row: int) -> None:
         return None
 
 
@@ -72,6 +79,10 @@ class AcceptanceEMA:
 
     def reset(self, batch: int, k: int) -> None:
         self.rates = [[self.prior] * k for _ in range(batch)]
+
+    def reset_row(self, row: int) -> None:
+        if row < len(self.rates):
+            self.rates[row] = [self.prior] * len(self.rates[row])
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         r = self.rates[row]
@@ -142,6 +153,9 @@ class TieredBudget:
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         self.ema.observe(row, drafted, accepted)
 
+    def reset_row(self, row: int) -> None:
+        self.ema.reset_row(row)
+
 
 class RowBlockLength:
     """Per-row drafter block length: draft position j is verified while ``s_b[j] >= threshold``."""
@@ -175,3 +189,6 @@ class RowBlockLength:
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         self.ema.observe(row, drafted, accepted)
+
+    def reset_row(self, row: int) -> None:
+        self.ema.reset_row(row)

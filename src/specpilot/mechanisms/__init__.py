@@ -12,16 +12,15 @@ from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
     COMPONENTS,
-    ENGINES,
     PLUG_POINTS,
     Applicability,
     Knob,
     Mechanism,
 )
 from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
-from specpilot.mechanisms.static_trees import RAGGED_TREES, STATIC_TREE_VERIFY
 from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
 from specpilot.mechanisms.tree_verify import MECHANISM as TREE_VERIFY
+from specpilot.mechanisms.tree_verify import RAGGED_TREES
 from specpilot.mechanisms.two_level import MECHANISM as TWO_LEVEL
 from specpilot.mechanisms.w12 import MECHANISM as W12
 
@@ -34,7 +33,6 @@ _ALL: tuple[Mechanism, ...] = (
     RAGGED_VERIFY,
     TIERED_BUDGET,
     ROW_BLOCK_LEN,
-    STATIC_TREE_VERIFY,
     RAGGED_TREES,
     FP8_PREFILTER,
 )
@@ -44,7 +42,6 @@ MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}
 
 __all__ = [
     "COMPONENTS",
-    "ENGINES",
     "MECHANISMS",
     "PLUG_POINTS",
     "Applicability",

@@ -7,17 +7,20 @@ accepting: an exponential moving average of its accepted length, plus ``slack`` 
 headroom (so a row that accepts everything keeps growing), clamped to ``[k_min, k]``. A request
 that copies from its prompt keeps long blocks; one the drafter cannot predict stops paying for k.
 
-Variant built: the block is chosen per request before drafting (``BlockPolicy``); the drafter
-still drafts up to its ``k`` for the batch and each row proposes at most its own block.
+Variant built: a width policy (``engine/widths.WidthPolicy``) of the chain verify plan: each row's
+block is chosen before drafting; the drafter drafts up to its ``k`` and each row keeps at most its
+own block (the dense verify pads to the widest row; with ``ragged-verify`` each row verifies only
+its own).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
@@ -25,15 +28,8 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
-class BlockState:
-    """One request's running estimate of how many drafted tokens it accepts per cycle."""
-
-    ema_accepted: float
-
-
-@dataclass(frozen=True, slots=True)
 class AdaptiveBlock:
-    """``block = clamp(ceil(EMA(accepted) + slack), k_min, k_max)``; starts optimistic at k_max."""
+    """``block = clamp(ceil(EMA(accepted) + slack), k_min, k)`` per row; starts optimistic at k."""
 
     k_min: int = 1
     """Fewest tokens a row drafts; at least 1, so that a row keeps probing its acceptance."""
@@ -41,6 +37,10 @@ class AdaptiveBlock:
     """Weight of the latest cycle in the moving average."""
     slack: float = 1.0
     """Tokens drafted beyond the expected accepted length."""
+    name: str = "adaptive_block"
+    k: int = 0
+    ema: list[float] = field(default_factory=list)
+    """Per row: the moving average of its accepted length."""
 
     def __post_init__(self) -> None:
         if self.k_min < 1:
@@ -50,21 +50,31 @@ class AdaptiveBlock:
         if self.slack < 0:
             raise ValueError(f"slack must be at least 0, got {self.slack}")
 
-    def new_state(self, k_max: int) -> BlockState:
-        return BlockState(ema_accepted=float(k_max))
+    def reset(self, batch: int, k: int, bucket: int) -> None:
+        self.k = k
+        self.ema = [float(k)] * batch
 
-    def block(self, state: object, k_max: int) -> int:
-        assert isinstance(state, BlockState)
-        want = math.ceil(state.ema_accepted + self.slack - 1e-9)
-        return max(min(self.k_min, k_max), min(want, k_max))
+    def reset_row(self, row: int) -> None:
+        self.ema[row] = float(self.k)
 
-    def update(self, state: object, drafted: int, accepted: int) -> None:
-        assert isinstance(state, BlockState)
-        state.ema_accepted += self.alpha * (accepted - state.ema_accepted)
+    def block(self, row: int) -> int:
+        want = math.ceil(self.ema[row] + self.slack - 1e-9)
+        return max(min(self.k_min, self.k), min(want, self.k))
+
+    def widths(self, active: Sequence[bool]) -> list[int]:
+        return [1 + self.block(b) if a else 0 for b, a in enumerate(active)]
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            self.ema[row] += self.alpha * (accepted - self.ema[row])
 
 
 def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
-    build.block_policy = AdaptiveBlock(
+    if build.width_policy is not None:
+        raise SpecPilotError(
+            f"Enable only one width policy; '{build.width_policy.name}' is already enabled."
+        )
+    build.width_policy = AdaptiveBlock(
         k_min=int(knobs["k_min"]), alpha=float(knobs["alpha"]), slack=float(knobs["slack"])
     )
 
@@ -84,7 +94,6 @@ MECHANISM = Mechanism(
         Knob("alpha", 0.3, low=0.05, high=1.0, doc="EMA weight of the latest accepted length"),
         Knob("slack", 1.0, low=0.0, high=4.0, doc="tokens drafted beyond the expected accepted"),
     ),
-    engines=("scheduler",),
     applies=Applicability(drafters=("ngram", "draft-model"), modes=("batched",)),
     summary="Per-request block length from an EMA of each request's accepted length (batched)",
 )

@@ -82,7 +82,7 @@ class CheapScorer:
         full, fresh = self._ensure(max(commons) + width + 1)
         if fresh:
             commons = [0] * b
-        cache = full if b == full.batch_size else full.rows(b)
+        cache = full if b == full.batch_size else full.slice(0, b)
         dev = self.model.device
         tails: list[list[int]] = []
         skip: list[int] = []  # per row: tail rows before the first one whose argmax is wanted
@@ -118,4 +118,29 @@ class CheapScorer:
         return [greedy_l[row][: want[row]] for row in range(b)]
 
 
-__all__ = ["CheapScorer"]
+def idle_safe(
+    scorer: CheapScorer,
+    contexts: Sequence[Sequence[int]],
+    active: Sequence[bool],
+    tails: Sequence[Sequence[int]],
+    from_end: bool = False,
+) -> tuple[list[list[int]], list[int]]:
+    """Arguments of :meth:`CheapScorer.greedy_after` covering every row of a batch: a decoding
+    row scores its context plus ``tails[b]`` (the greedy token after every prefix from the end of
+    its context on, or with ``from_end`` only after the whole sequence); any other row re-feeds
+    its last cached token, keeping its K/V."""
+    seqs: list[list[int]] = []
+    first: list[int] = []
+    for b, (ctx, a) in enumerate(zip(contexts, active, strict=True)):
+        if a:
+            seq = [*ctx, *tails[b]]
+            seqs.append(seq)
+            first.append(len(seq) if from_end else len(ctx))
+        else:
+            held = scorer.cached(b) or [0]
+            seqs.append(held)
+            first.append(len(held))
+    return seqs, first
+
+
+__all__ = ["CheapScorer", "idle_safe"]

@@ -97,7 +97,7 @@ from specpilot.kernels.argmax_bound import (
     row_terms,
 )
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
-from specpilot.models.transformer import Transformer, project
+from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
@@ -214,6 +214,10 @@ def certify(
 class ExactArgmaxHead:
     """The ``Transformer.argmax_head`` plug: final-normed hidden ``[B, R, H]`` → ids ``[B, R]``."""
 
+    graph_safe = False
+    """It decides on the host whether its certificate holds (else the stock head answers), so
+    the engine runs the verify step that holds it eagerly, also when the rest runs on graphs."""
+
     def __init__(
         self,
         model: Transformer,
@@ -248,8 +252,9 @@ class ExactArgmaxHead:
 
     def stock(self, x: Tensor) -> Tensor:
         """Tier 3: exactly what ``Transformer.forward_argmax`` does without a plug."""
-        m = self.model
-        return project(x, m.lm_head, None, m.lm_head_in_out).argmax(dim=-1)
+        b, r, h = x.shape
+        logits = self.model.stock_forward().logits_normed(x.reshape(b * r, h))
+        return logits.argmax(dim=-1).view(b, r)
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [B, R, H] → [B, R] int64
         b, r, h = x.shape

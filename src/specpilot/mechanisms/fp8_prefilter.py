@@ -1,8 +1,8 @@
 """FP8 pre-filter for large verify batches: an FP8 copy of the target cuts each row's block to the
 drafts it agrees with (plus a margin) before the exact verify.
 
-Variant built (*pre-filter*), per continuous-batching step (``BatchScheduler``, hook
-``DraftPrefilter``):
+Variant built (*pre-filter*), per cycle of the engine (a drafter wrapper,
+``drafters/wrapped.FilteredDrafter``):
 
 1. the drafter proposes each row's block ``d_1..d_n``;
 2. when at least ``min_batch`` rows have drafts, the cheap model (``fp8_copy.fp8_model``: every
@@ -21,7 +21,7 @@ the next ``chunk`` tokens of its context in that forward and keeps its whole blo
 request does not widen the cheap forward of every row to its prompt length; a context grows by at
 most ``k + 1`` tokens a step, so the lag shrinks every step the pre-filter runs.
 
-**Why it is lossless.** The pre-filter only shortens blocks: the scheduler keeps a prefix of each
+**Why it is lossless.** The pre-filter only shortens blocks: the wrapper keeps a prefix of each
 row's own drafts (clamped to ``0..n``, whatever the pre-filter returns), a prefix of a draft is a
 draft, and the unchanged exact verify commits the longest drafted prefix equal to the exact
 target's argmax plus the exact target's bonus token. So every committed token is the exact
@@ -35,7 +35,7 @@ The pre-filter removes the drafts after the cheap model's first disagreement (pl
 from the exact verify, so the exact forward computes fewer tokens per step. Its cost is one cheap
 forward over the same rows and drafts per step, at FP8 GEMM rate (twice bf16 on FP8 tensor cores;
 half the weight bytes), and the tokens the exact target would have accepted past a wrong cheap
-disagreement. The padded verify is as wide as its widest row, so it saves only when every row's
+disagreement. The dense verify is as wide as its widest row, so it saves only when every row's
 block is cut (all rows of a step drafting past their agreement); ``min_batch`` keeps it off at
 small batch, where the verify is memory-bound and its width nearly free. On the CPU the FP8 path
 is emulated (dequantized weights) and saves nothing.
@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specpilot.drafters.wrapped import FilteredDrafter
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.cheap_scorer import CheapScorer
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class PrefilterStats:
-    """Counts over the steps the scheduler asked the pre-filter about."""
+    """Counts over the cycles the pre-filter was asked about."""
 
     steps: int = 0
     """Steps with at least one drafted row."""
@@ -93,7 +94,7 @@ class PrefilterStats:
 
 
 class Fp8Prefilter:
-    """A ``DraftPrefilter``: cut each row's block to the cheap model's agreed prefix + margin."""
+    """A ``DraftFilter``: cut each row's block to the cheap model's agreed prefix + margin."""
 
     def __init__(
         self, cheap: Transformer, margin: int = 1, min_batch: int = 8, catch_up: int = 64
@@ -131,7 +132,7 @@ class Fp8Prefilter:
         if len(rows) < self.min_batch:
             return keep
         self.stats.applied += 1
-        b = rows[-1] + 1  # the scorer's rows are the scheduler's slots 0..b-1
+        b = rows[-1] + 1  # the scorer's rows are the batch's rows 0..b-1
         chunk = max(self.catch_up, 2 * (1 + max(len(d) for d in drafts)))
         if self.scorer.rows < len(drafts):  # one cheap cache row per slot, kept across steps
             self.scorer.start(len(drafts))
@@ -183,9 +184,10 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
 
     if build.drafter is None:
         raise SpecPilotError("The FP8 pre-filter needs a drafter; choose one with --drafter.")
-    build.prefilter = Fp8Prefilter(
+    keep = Fp8Prefilter(
         fp8_model(build.target.model), int(knobs["margin"]), int(knobs["min_batch"])
     )
+    build.drafter = FilteredDrafter(build.drafter, keep, "fp8-prefilter")
 
 
 MECHANISM = Mechanism(
@@ -194,7 +196,7 @@ MECHANISM = Mechanism(
     plug_point="drafter_schedule",
     lossless=(
         "The FP8 copy only shortens each row's drafted block (to the prefix it agrees with plus "
-        "a margin; the scheduler keeps a prefix of the row's own drafts whatever it says); the "
+        "a margin; the wrapper keeps a prefix of the row's own drafts whatever it says); the "
         "exact target then verifies every row with the unchanged chain verify, committing only "
         "drafts equal to its own argmax plus its own bonus token. The cheap model has its own KV "
         "cache, rolled back to the common prefix."
@@ -204,7 +206,6 @@ MECHANISM = Mechanism(
         Knob("margin", 1, low=0, high=4, doc="drafts kept past the cheap model's agreed prefix"),
         Knob("min_batch", 8, low=1, high=64, doc="apply only with at least this many drafted rows"),
     ),
-    engines=("scheduler",),
     # FP8 tensor cores (CUDA, capability >= 8.9) make the cheap forward cheap; on the CPU the FP8
     # path is emulated and costs as much as the exact forward it is meant to shorten. Measured on
     # the H200 (8B shape, 8 layers, concurrency 16-24): 0.44-0.75x, because the eager scheduler

@@ -36,7 +36,6 @@ MECHANISM = Mechanism(
     ),
     apply=_apply,
     knobs=(Knob("bucket", 16, choices=(8, 16, 32, 64), doc="packed rows are rounded up to this"),),
-    engines=("static",),
     applies=Applicability(modes=("batched",)),
     summary="Verify a different width per row in one packed forward (GEMMs on sum(w_b) rows)",
 )

@@ -40,14 +40,6 @@ PLUG_POINTS = (
 )
 
 
-ENGINES = (
-    "eager",  # SpecEngine: one request (or a static batch) at a time, any verify strategy
-    "scheduler",  # BatchScheduler: continuous batching (serve, bench/tune --mode batched)
-    "static",  # StaticEngine: CUDA-graph batched engine with the block drafter (GPU benches)
-)
-"""Engines that carry out a build; a mechanism names those that honour its plug-point edits."""
-
-
 @dataclass(frozen=True, slots=True)
 class Knob:
     """One searchable parameter of a mechanism."""
@@ -113,22 +105,12 @@ class Mechanism:
     knobs: tuple[Knob, ...] = ()
     applies: Applicability = field(default_factory=Applicability)
     summary: str = ""
-    engines: tuple[str, ...] = ()
-    """Engines that honour what ``apply`` changes (``ENGINES``; empty = every engine). The tuner
-    skips, and says so, a mechanism the engine it measures would silently ignore."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.engines) - set(ENGINES)
-        if unknown:
-            raise ValueError(f"mechanism {self.name}: unknown engine(s) {sorted(unknown)}")
         if self.component not in COMPONENTS:
             raise ValueError(f"mechanism {self.name}: unknown component {self.component!r}")
         if self.plug_point not in PLUG_POINTS:
             raise ValueError(f"mechanism {self.name}: unknown plug point {self.plug_point!r}")
-
-    def runs_on(self, engine: str) -> bool:
-        """Whether ``engine`` (one of ``ENGINES``) honours this mechanism."""
-        return not self.engines or engine in self.engines
 
     def resolve_knobs(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Defaults filled in, every value validated; unknown knob names are an error."""

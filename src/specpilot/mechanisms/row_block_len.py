@@ -40,7 +40,6 @@ MECHANISM = Mechanism(
         Knob("threshold", 0.3, low=0.0, high=1.0, doc="verify position j while P(reach j) >= this"),
         *EMA_KNOBS,
     ),
-    engines=("static",),
     applies=Applicability(modes=("batched",)),
     summary="Per-request draft length from each row's acceptance (static batched engine)",
 )

@@ -65,7 +65,6 @@ MECHANISM = Mechanism(
         Knob("budget", 6.0, low=1.0, high=32.0, doc="verify tokens per active row per cycle"),
         *EMA_KNOBS,
     ),
-    engines=("static",),
     applies=Applicability(modes=("batched",)),
     summary="Divide a per-cycle verify-token budget among rows by expected accepted tokens",
 )

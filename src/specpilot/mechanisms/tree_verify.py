@@ -1,197 +1,129 @@
-"""Tree verification: verify a draft tree in one target forward, commit its longest accepted path.
+"""Tree verification: ``tree-verify`` (one tree shape for every row) and ``ragged-trees`` (a chain
+for confident rows, a wider tree for uncertain ones, within a verify-token budget).
 
-Terminology (greedy specialisation of SpecInfer, Miao et al. 2024, and Medusa/EAGLE tree attention;
-chain terms as in ``engine/verify.py``):
+Terminology (greedy specialisation of SpecInfer, Miao et al. 2024, and Medusa/EAGLE tree
+attention): the **root** is the pending token; drafted **nodes** hang below it, each with a
+parent. The target runs once over ``[root, nodes…]`` under a tree mask (each node sees the
+committed prefix, its ancestors and itself; RoPE at its depth), so node j's argmax is the
+target's greedy token after the path root → j. A node is **accepted** when its token equals its
+parent's argmax and its parent is accepted; the deepest accepted path is committed, plus the
+target's **bonus** token after it, and its K/V is compacted to consecutive slots, not recomputed
+(``engine/accept.py``). Every committed token is the target's argmax after the committed prefix.
 
-* the **root** is the pending token (last committed, KV not cached yet), node 0 of the forward;
-  drafted **nodes** 1..N follow (``TreeProposal`` node i is forward row i + 1), each with a parent;
-* the target runs once on ``[root, nodes…]`` with a tree mask (each node sees the committed prefix,
-  its ancestors and itself) and RoPE positions ``committed_len + depth``, so row j's argmax ``a_j``
-  is the target's greedy token after the path root → j;
-* a node is **accepted** when its token equals ``a_parent`` and its parent is accepted (the root
-  is); with distinct sibling tokens the accepted nodes form one path, and the deepest one ends it;
-* the **bonus** token is ``a_last`` (``a_0`` when nothing is accepted); **committed** tokens are the
-  path's tokens and the bonus: every one is the target's argmax after the committed prefix, which
-  is why the scheme is lossless, exactly as for a chain.
+Where the trees come from (``engine/plans.TreePlan``):
 
-The forward wrote node j's K/V at slot ``L + j``. The accepted path's entries are copied down to
-slots ``L + 1 .. L + m`` (no recomputation: a node's K/V depends only on its token, its position and
-its ancestors, which is what a chain over the path would have seen); then the length is committed
-to ``L + m + 1``. Nodes come in DFS order with the drafter's first choice first, so accepting that
-first path needs no copy at all.
+* a drafter with per-position candidates on the device (the block drafter, the draft model,
+  simulated acceptance) fills a **static tree** (``drafters/static_tree.py``: node at depth d and
+  rank r takes the r-th likeliest token of draft position d), one CUDA graph per shape;
+* the n-gram drafter merges the continuations of every suffix match into a **trie** per row on
+  the host (``NgramDrafter.propose_tree``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
-
-from specpilot.drafters.base import Drafter
-from specpilot.drafters.tree import TreeDrafter, TreeProposal, TreeShape, empty_trees
-from specpilot.engine.strategy import CycleOutcome
+from specpilot.drafters.static_tree import StaticTree, build_static_tree
+from specpilot.drafters.tree import TreeShape
+from specpilot.engine.tree_policy import FixedTree, RaggedTrees
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
-from specpilot.models.kv_cache import KVCache
-from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
 
-
-@dataclass(slots=True)
-class TreeAccept:
-    """The accepted path of one row."""
-
-    path: list[int]  # node indices (0-based, TreeProposal order), root excluded, root → leaf
-    bonus: int  # the target's token after the path
-
-
-def tree_accept(
-    tokens: Sequence[int],  # [n] drafted node tokens
-    parents: Sequence[int],  # [n] parent node index, -1 = root (parents precede children)
-    target_argmax: Sequence[int],  # [1 + n]: a_0 (after the root), then after each node
-) -> TreeAccept:
-    """Longest root-to-node path whose every token is the target's argmax at its parent."""
-    accepted = [False] * len(tokens)
-    depth = [0] * len(tokens)
-    best = -1
-    for i, (tok, par) in enumerate(zip(tokens, parents, strict=True)):
-        parent_ok = par < 0 or accepted[par]
-        if parent_ok and tok == target_argmax[par + 1]:
-            accepted[i] = True
-            depth[i] = 1 + (depth[par] if par >= 0 else 0)
-            if best < 0 or depth[i] > depth[best]:
-                best = i
-    path: list[int] = []
-    node = best
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    path.reverse()
-    return TreeAccept(path=path, bonus=target_argmax[best + 1])
+LOSSLESS = (
+    "Each tree node is verified with exactly its path's context (tree mask: committed prefix, "
+    "ancestors, itself; RoPE at its depth); only the longest root path whose every node equals "
+    "the target's argmax at its parent is committed, plus the target's own bonus token, and its "
+    "K/V is moved to consecutive slots, not recomputed; which tree a row verifies changes speed, "
+    "never a committed token."
+)
 
 
-def ancestor_mask(parents: Tensor, counts: Sequence[int]) -> Tensor:
-    """``[B, 1+N, 1+N]`` bool: forward row j may attend row i iff i is j or an ancestor of j."""
-    b, n = parents.shape
-    rows: list[list[int]] = parents.tolist()
-    mask = torch.eye(n + 1, dtype=torch.bool).repeat(b, 1, 1)
-    mask[:, :, 0] = True  # every node descends from the root
-    for row in range(b):
-        m = mask[row]
-        for i in range(counts[row]):
-            par = rows[row][i]
-            if par >= 0:
-                m[i + 1] |= m[par + 1]
-    return mask
-
-
-def compact_path(cache: KVCache, row: int, start: int, path: Sequence[int]) -> None:
-    """Copy the K/V of the path's nodes (slots ``start + 1 + node``) to ``start + 1 ..``."""
-    if all(node == i for i, node in enumerate(path)):
-        return  # already contiguous (the drafter's first path)
-    dev = cache.k[0].device
-    src = torch.tensor([start + 1 + node for node in path], device=dev)
-    dst = torch.arange(start + 1, start + 1 + len(path), device=dev)
-    for k, v in zip(cache.k, cache.v, strict=True):
-        k[row, :, dst] = k[row, :, src]  # [H_kv, m, D]; the right side is gathered first
-        v[row, :, dst] = v[row, :, src]
-
-
-class TreeStrategy:
-    """The ``verify_strategy`` plug for trees (see the module docstring)."""
-
-    name = "tree"
-
-    def __init__(self, shape: TreeShape) -> None:
-        self.shape = shape
-
-    def width(self, drafter: Drafter | None) -> int:
-        return 0 if drafter is None else self.shape.max_nodes
-
-    def propose(
-        self, drafter: Drafter | None, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]
-    ) -> TreeProposal:
-        if drafter is None or max(max_lens) <= 0:
-            return empty_trees(len(contexts))
-        if not isinstance(drafter, TreeDrafter):
-            raise SpecPilotError(
-                f"Tree verification needs a drafter that proposes trees; '{drafter.name}' does not "
-                "(use ngram or draft-model, or disable tree-verify)."
-            )
-        return drafter.propose_tree(contexts, max_lens, self.shape)
-
-    def verify(
-        self,
-        target: Transformer,
-        cache: KVCache,
-        pending: Tensor,  # [B] int64 (host)
-        proposal: TreeProposal,
-        active: Sequence[bool],
-    ) -> CycleOutcome:
-        dev = target.device
-        b = len(active)
-        starts = cache.lengths.clone()  # [B] committed lengths (host)
-        inputs = torch.cat([pending[:, None], proposal.tokens], dim=1)  # [B, 1+N]
-        depths = torch.cat([torch.zeros(b, 1, dtype=torch.int64), proposal.depths], dim=1)
-        positions = starts[:, None] + depths  # [B, 1+N]
-        mask = ancestor_mask(proposal.parents, proposal.counts)  # [B, 1+N, 1+N]
-        argmax = target.forward_argmax(
-            inputs.to(dev), cache, positions=positions.to(dev), tree_mask=mask.to(dev)
-        ).tolist()  # [B][1+N]
-        tokens, parents = proposal.tokens.tolist(), proposal.parents.tolist()
-        committed: list[list[int]] = []
-        draft_lens: list[int] = []
-        accepted_lens: list[int] = []
-        for row in range(b):
-            if not active[row]:
-                committed.append([])
-                draft_lens.append(0)
-                accepted_lens.append(0)
-                continue
-            n = proposal.counts[row]
-            acc = tree_accept(tokens[row][:n], parents[row][:n], argmax[row][: n + 1])
-            start = int(starts[row])
-            compact_path(cache, row, start, acc.path)
-            cache.commit(row, start + len(acc.path) + 1)
-            committed.append([tokens[row][i] for i in acc.path] + [acc.bonus])
-            draft_lens.append(proposal.max_depth(row))
-            accepted_lens.append(len(acc.path))
-        return CycleOutcome(committed=committed, draft_lens=draft_lens, accepted_lens=accepted_lens)
-
-
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _shape(build: EngineBuild, knobs: Mapping[str, Any], candidates: bool) -> TreeShape:
     depth, width = int(knobs["depth"]), int(knobs["width"])
-    shape = TreeShape.uniform(
+    if candidates and build.drafter is not None and depth > build.drafter.k:
+        build.notes.append(f"tree depth {depth} cut to the drafter's {build.drafter.k} positions")
+        depth = build.drafter.k
+    return TreeShape.uniform(
         depth=depth,
         width=width,
         max_nodes=int(knobs["max_nodes"]),
         branch=min(int(knobs["branch"]), width),
     )
-    build.strategy = TreeStrategy(shape)
 
+
+def _check(build: EngineBuild) -> bool:
+    """Whether the drafter gives candidates (static trees) rather than host tries."""
+    d = build.drafter
+    if d is None:
+        raise SpecPilotError("Tree verification needs a drafter; choose one with --drafter.")
+    if build.tree_policy is not None or build.tree_shape is not None or build.width_policy:
+        raise SpecPilotError("Enable only one of tree-verify, ragged-trees and the width policies.")
+    if hasattr(d, "draft_candidates"):
+        return True
+    if hasattr(d, "propose_tree"):
+        return False
+    raise SpecPilotError(f"The drafter '{d.name}' proposes no trees; disable tree-verify.")
+
+
+def _apply_fixed(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    candidates = _check(build)
+    shape = _shape(build, knobs, candidates)
+    if candidates:
+        build.tree_policy = FixedTree(build_static_tree(shape))
+    else:
+        build.tree_shape = shape
+    build.packed_bucket = build.packed_bucket or 16
+
+
+def _apply_ragged(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+    if not _check(build):
+        raise SpecPilotError("ragged-trees needs a drafter with per-position candidates.")
+    assert build.drafter is not None
+    build.tree_policy = RaggedTrees(
+        confident=StaticTree.chain(min(int(knobs["chain"]), build.drafter.k)),
+        uncertain=build_static_tree(_shape(build, knobs, True)),
+        budget=float(knobs["budget"]),
+        decay=float(knobs["decay"]),
+        prior=float(knobs["prior"]),
+    )
+    build.packed_bucket = build.packed_bucket or 16
+
+
+TREE_KNOBS = (
+    Knob("depth", 8, low=1, high=31, doc="most drafted tokens on one path (<= drafter k)"),
+    Knob("width", 3, low=1, high=8, doc="most nodes at each depth"),
+    Knob("branch", 2, low=1, high=8, doc="children per node (ranks of a position's top-k)"),
+    Knob("max_nodes", 24, low=1, high=64, doc="total nodes per tree (verify feeds 1 + nodes)"),
+)
 
 MECHANISM = Mechanism(
     name="tree-verify",
     component="verify",
     plug_point="verify_strategy",
-    lossless=(
-        "Only the longest root-to-node path whose every token equals the target's argmax at its "
-        "parent is committed, plus the target's own bonus token; the tree mask and depth positions "
-        "give each node exactly its path's context, and its KV is moved, not recomputed."
-    ),
-    apply=_apply,
+    lossless=LOSSLESS,
+    apply=_apply_fixed,
+    knobs=TREE_KNOBS,
+    applies=Applicability(drafters=("ngram", "draft-model", "block")),
+    summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
+)
+
+RAGGED_TREES = Mechanism(
+    name="ragged-trees",
+    component="verify",
+    plug_point="verify_strategy",
+    lossless=LOSSLESS,
+    apply=_apply_ragged,
     knobs=(
-        Knob("depth", 8, low=1, high=16, doc="most drafted tokens on one path"),
-        Knob("width", 4, low=1, high=8, doc="most nodes at each depth"),
-        Knob("branch", 2, low=1, high=8, doc="children proposed per expanded node (top-k)"),
-        Knob("max_nodes", 24, low=1, high=64, doc="total nodes per tree (verify feeds 1 + nodes)"),
+        *TREE_KNOBS,
+        Knob("chain", 11, low=1, high=31, doc="chain length given to confident rows"),
+        Knob("budget", 16.0, low=2.0, high=65.0, doc="verify tokens per active row per cycle"),
+        Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
+        Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
     ),
-    engines=("eager",),
-    applies=Applicability(drafters=("ngram", "draft-model")),
-    summary="Verify a draft tree in one forward (tree mask), commit its longest accepted path",
+    applies=Applicability(drafters=("draft-model", "block"), modes=("batched",)),
+    summary="A chain for confident rows, a wider tree for uncertain ones (batched)",
 )

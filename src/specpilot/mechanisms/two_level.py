@@ -11,7 +11,7 @@ Variant built (*correct*, optionally *extend*), per row and cycle:
    own next token (free: the same forward computed it);
 4. ``correct-extend`` only: the cheap model then appends its greedy tokens one forward (of one
    token) at a time, up to ``max_extension`` more;
-5. the exact target verifies the block as usual (``ChainStrategy``, ``greedy_verify``).
+5. the exact target verifies the block as usual (the chain verify plan, ``greedy_verify``).
 
 **Why it is lossless.** Steps 1–4 only choose which tokens the exact target is asked about; step
 5 is the unchanged chain verify, which commits the longest prefix equal to the exact target's own
@@ -42,11 +42,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from specpilot.drafters.base import Drafter, DraftProposal
+from specpilot.drafters.base import Drafter, DraftRows
+from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.cheap_scorer import CheapScorer
+from specpilot.mechanisms.cheap_scorer import CheapScorer, idle_safe
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.models.transformer import Transformer
 
@@ -89,58 +88,49 @@ class TwoLevelStats:
         }
 
 
-class TwoLevelDrafter:
+class TwoLevelDrafter(WrappedDrafter):
     """Wraps any :class:`Drafter`: its proposals are corrected (and extended) by a cheap model."""
 
     def __init__(self, inner: Drafter, cheap: Transformer, max_extension: int = 0) -> None:
         if max_extension < 0:
             raise ValueError(f"max_extension must be at least 0, got {max_extension}")
-        self.inner = inner
+        super().__init__(inner, f"{inner.name}+two-level", inner.k + 1 + max_extension)
         self.cheap = cheap
         self.scorer = CheapScorer(cheap)
         self.max_extension = max_extension
-        self.name = f"{inner.name}+two-level"
-        self.k = inner.k + 1 + max_extension
         self.stats = TwoLevelStats()
 
-    def start(self, contexts: Sequence[Sequence[int]]) -> None:
-        self.inner.start(contexts)
-        self.scorer.start(len(contexts))
+    def bind(self, rows: DraftRows) -> None:
+        super().bind(rows)
+        self.scorer.start(rows.state.batch_size)
 
-    def propose(self, contexts: Sequence[Sequence[int]], max_lens: Sequence[int]) -> DraftProposal:
-        inner_lens = [min(m, self.inner.k) for m in max_lens]
-        inner = self.inner.propose(contexts, inner_lens)
-        drafts = inner.tokens.tolist()
-        rows = [b for b, m in enumerate(max_lens) if m > 0]
+    def propose(self, rows: DraftRows, attn_len: int) -> list[int]:
+        drafts = self.inner_drafts(rows, attn_len)
+        contexts, active = rows.contexts, rows.active
+        live = [b for b, a in enumerate(active) if a]
         blocks: list[list[int]] = [[] for _ in contexts]
-        if rows:
-            seqs = [[*contexts[b], *drafts[b][: inner.lengths[b]]] for b in range(len(contexts))]
-            greedy = self.scorer.greedy_after(seqs, [len(c) for c in contexts])
+        room = self.k
+        if live:
+            greedy = self.scorer.greedy_after(*idle_safe(self.scorer, contexts, active, drafts))
             self.stats.forwards += 1
-            for b in rows:
-                drafted = drafts[b][: inner.lengths[b]]
+            for b in live:
                 n = 0
-                while n < len(drafted) and drafted[n] == greedy[b][n]:
+                while n < len(drafts[b]) and drafts[b][n] == greedy[b][n]:
                     n += 1
-                blocks[b] = [*drafted[:n], greedy[b][n]][: max_lens[b]]
-                self._count(drafted, n)
+                blocks[b] = [*drafts[b][:n], greedy[b][n]][:room]
+                self._count(drafts[b], n)
             for _ in range(self.max_extension):
-                grow = [b for b in rows if len(blocks[b]) < max_lens[b]]
+                grow = [b for b in live if len(blocks[b]) < room]
                 if not grow:
                     break
-                seqs = [[*contexts[b], *blocks[b]] for b in range(len(contexts))]
-                nxt = self.scorer.greedy_after(seqs, [len(s) for s in seqs])
+                nxt = self.scorer.greedy_after(
+                    *idle_safe(self.scorer, contexts, active, blocks, from_end=True)
+                )
                 self.stats.forwards += 1
                 for b in grow:
                     blocks[b].append(nxt[b][0])
                     self.stats.appended += 1
-        width = max((len(blk) for blk in blocks), default=0)
-        tokens = torch.zeros(len(contexts), width, dtype=torch.int64)
-        for b, blk in enumerate(blocks):
-            tokens[b, : len(blk)] = torch.tensor(blk, dtype=torch.int64)
-        return DraftProposal(
-            tokens=tokens.to(inner.tokens.device), lengths=[len(blk) for blk in blocks]
-        )
+        return rows.write_drafts(blocks)
 
     def _count(self, drafted: list[int], n: int) -> None:
         st = self.stats

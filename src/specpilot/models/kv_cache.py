@@ -53,22 +53,15 @@ class KVCache:
             raise ValueError(f"length {length} outside the cache (0..{self.max_seq_len})")
         self.lengths[row] = length
 
-    def rows(self, n: int) -> KVCache:
-        """A view of the first ``n`` sequences: same storage, same ``lengths`` storage."""
-        if not 1 <= n <= self.batch_size:
-            raise ValueError(f"rows must be in 1..{self.batch_size}, got {n}")
+    def slice(self, first: int, n: int = 1) -> KVCache:
+        """A view of sequences ``first .. first + n - 1``: same storage, so writes land there."""
+        if not (0 <= first and 1 <= n and first + n <= self.batch_size):
+            raise ValueError(f"rows {first}..{first + n - 1} outside 0..{self.batch_size - 1}")
+        end = first + n
         return KVCache(
-            k=[t[:n] for t in self.k], v=[t[:n] for t in self.v], lengths=self.lengths[:n]
-        )
-
-    def row(self, i: int) -> KVCache:
-        """A view of sequence ``i`` alone (batch 1): same storage, so writes land in row ``i``."""
-        if not 0 <= i < self.batch_size:
-            raise ValueError(f"row must be in 0..{self.batch_size - 1}, got {i}")
-        return KVCache(
-            k=[t[i : i + 1] for t in self.k],
-            v=[t[i : i + 1] for t in self.v],
-            lengths=self.lengths[i : i + 1],
+            k=[t[first:end] for t in self.k],
+            v=[t[first:end] for t in self.v],
+            lengths=self.lengths[first:end],
         )
 
     def reset(self) -> None:

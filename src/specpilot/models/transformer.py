@@ -1,9 +1,10 @@
-"""Dense decoder transformer (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) in plain PyTorch.
+"""Dense decoder transformer (Llama 2/3, SmolLM2, Qwen2/2.5, Qwen3) in plain PyTorch: weights,
+loading, the KV cache, and the **stock** forward that token forcing trusts.
 
-One forward serves prefill, AR decode, chain verify and tree verify: it takes a block of new
-tokens per sequence, writes their K/V at the slots right after each sequence's committed length
-(``cache.lengths``), attends to the committed prefix plus the new block (causally, or through a
-tree mask), and returns logits only for the rows the caller asks for.
+``Transformer.forward`` takes a block of new tokens per sequence, writes their K/V at the slots
+right after each sequence's committed length (``cache.lengths``), attends to the committed prefix
+plus the new block causally, and returns logits for the rows the caller asks for. It runs the one
+layer body of ``models/forward.py`` with the torch reference ops (the stock rounding order).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
 from specpilot.errors import CheckpointError
+from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
-from specpilot.models.rope import apply_rope, rope_tables
+from specpilot.models.layout import DenseLayout
+from specpilot.models.rope import rope_tables
 
 
 @dataclass(slots=True)
@@ -28,23 +30,9 @@ class ForwardOutput:
     final_hidden: Tensor | None = None  # [B, R, hidden] final-normed input of the LM head
 
 
-def project(x: Tensor, w: Tensor, b: Tensor | None, w_in_out: Tensor | None) -> Tensor:
-    """``x @ w^T + b``; a one-row ``x`` uses the ``[in, out]`` copy of ``w`` when there is one."""
-    if w_in_out is None or x.numel() != x.shape[-1]:
-        return F.linear(x, w, b)
-    y = x @ w_in_out
-    return y if b is None else y + b
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm computed in float32 and cast back, as the HF reference does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. q/k/v and gate/up are fused into one GEMM each."""
+    """Weights of one pre-norm attention + SwiGLU MLP layer (the body is ``models/forward.py``).
+    q/k/v and gate/up are fused into one matrix each at load time."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -67,57 +55,6 @@ class DecoderLayer(nn.Module):
         self.w_o = p(h, cfg.q_size)
         self.w_gate_up = p(2 * cfg.intermediate_size, h)
         self.w_down = p(h, cfg.intermediate_size)
-
-    def forward(
-        self,
-        x: Tensor,  # [B, T, hidden]
-        cos: Tensor,  # [B, T, 1, D]
-        sin: Tensor,  # [B, T, 1, D]
-        k_cache: Tensor,  # [B, H_kv, S_max, D]
-        v_cache: Tensor,  # [B, H_kv, S_max, D]
-        write: tuple[Tensor, Tensor] | slice,  # (batch idx [B,1], slots [B,T]) or slice (B == 1)
-        attn_len: int,
-        mask: Tensor | None,  # [B, 1, T, attn_len] bool, or None for "attend to all"
-        causal: bool,
-    ) -> Tensor:
-        cfg = self.cfg
-        b, t, _ = x.shape
-        hn = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = self._project("w_qkv", hn, self.b_qkv)  # [B, T, q + 2kv]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        if isinstance(write, slice):  # batch 1, contiguous slots: a plain copy
-            k_cache[0, :, write] = k[0].transpose(0, 1)
-            v_cache[0, :, write] = v[0].transpose(0, 1)
-        else:
-            bidx, slots = write
-            k_cache.permute(0, 2, 1, 3)[bidx, slots] = k
-            v_cache.permute(0, 2, 1, 3)[bidx, slots] = v
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [B, H, T, D]
-            k_cache[:, :, :attn_len],
-            v_cache[:, :, :attn_len],
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )  # [B, H, T, D]
-        x = x + self._project("w_o", attn.transpose(1, 2).reshape(b, t, cfg.q_size))
-        hn = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = self._project("w_gate_up", hn).chunk(2, dim=-1)
-        return x + self._project("w_down", F.silu(gate) * up)
-
-    def _project(self, name: str, x: Tensor, b: Tensor | None = None) -> Tensor:
-        fn = self.linear_fns.get(name)
-        if fn is not None:
-            return fn(x, b)
-        return project(x, getattr(self, name), b, self.gemv.get(name))
 
 
 class Transformer(nn.Module):
@@ -255,12 +192,21 @@ class Transformer(nn.Module):
     def allocate_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         return KVCache.allocate(self.cfg, batch_size, max_seq_len, self.dtype, self.device)
 
+
+    def stock_forward(self) -> Forward:
+        """The layer body with the torch reference ops: the stock rounding order (cached; a
+        mechanism that installs a kernel in ``linear_fns`` is seen through it)."""
+        fwd = self.__dict__.get("_stock_fwd")
+        if fwd is None:
+            fwd = Forward(self, use_triton=False, fuse_residual=False)
+            self.__dict__["_stock_fwd"] = fwd
+        return fwd
+
     def forward(
         self,
         tokens: Tensor,  # [B, T] int64
         cache: KVCache,
         positions: Tensor | None = None,  # [B, T] RoPE positions; default: the slots
-        tree_mask: Tensor | None = None,  # [B, T, T] bool among the new tokens; default: causal
         logits_rows: Tensor | None = None,  # [B, R] int64 rows of T to project; None = all
         hidden_layers: Sequence[int] = (),
     ) -> ForwardOutput:
@@ -270,10 +216,10 @@ class Transformer(nn.Module):
         weight format they install must reproduce the weights bit for bit).
         ``cache.lengths`` is not changed: the caller commits what it accepts.
         """
-        x, hidden = self._final_hidden(
-            tokens, cache, positions, tree_mask, logits_rows, hidden_layers
-        )
-        logits = project(x, self.lm_head, None, self.lm_head_in_out)
+        fwd = self.stock_forward()
+        x, hidden = self._final_hidden(tokens, cache, positions, logits_rows, hidden_layers)
+        b, r, h = x.shape
+        logits = fwd.logits_normed(x.reshape(b * r, h)).view(b, r, -1)
         return ForwardOutput(logits=logits, hidden=hidden, final_hidden=x)
 
     def forward_argmax(
@@ -281,21 +227,20 @@ class Transformer(nn.Module):
         tokens: Tensor,  # [B, T] int64
         cache: KVCache,
         positions: Tensor | None = None,
-        tree_mask: Tensor | None = None,
         logits_rows: Tensor | None = None,  # [B, R]
     ) -> Tensor:  # [B, R] int64: the greedy token after each requested row
         """Like :meth:`forward`, but only the argmax; ``argmax_head`` may compute it faster."""
-        x, _ = self._final_hidden(tokens, cache, positions, tree_mask, logits_rows, ())
+        x, _ = self._final_hidden(tokens, cache, positions, logits_rows, ())
         if self.argmax_head is not None:
             return self.argmax_head(x)
-        return project(x, self.lm_head, None, self.lm_head_in_out).argmax(dim=-1)
+        b, r, h = x.shape
+        return self.stock_forward().logits_normed(x.reshape(b * r, h)).argmax(dim=-1).view(b, r)
 
     def _final_hidden(
         self,
         tokens: Tensor,
         cache: KVCache,
         positions: Tensor | None,
-        tree_mask: Tensor | None,
         logits_rows: Tensor | None,
         hidden_layers: Sequence[int],
     ) -> tuple[Tensor, dict[int, Tensor]]:
@@ -303,53 +248,35 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         dev = tokens.device
         lengths = cache.lengths  # host
-        max_len = int(lengths.max()) if b > 1 else int(lengths[0])
-        attn_len = max_len + t
+        host = [int(n) for n in lengths.tolist()]
+        attn_len = max(host) + t
         if attn_len > cache.max_seq_len:
             raise ValueError(f"KV cache overflow: {attn_len} > {cache.max_seq_len} slots")
         start = lengths.to(dev)
-        slots = start[:, None] + torch.arange(t, device=dev)  # [B, T]
-        pos = slots if positions is None else positions
-        if int(pos.max()) >= self.max_positions:
+        fwd = self.stock_forward()
+        lay = DenseLayout.build(
+            start,
+            t,
+            attn_len,
+            fwd.groups,
+            self.dtype,
+            host_start=host[0] if b == 1 else None,
+            positions=positions,  # K/V still go to the slots; only the rotation moves
+        )
+        if int(lay.positions.max()) >= self.max_positions:
             raise ValueError(
-                f"position {int(pos.max())} beyond the RoPE table ({self.max_positions})"
+                f"position {int(lay.positions.max())} beyond the RoPE table ({self.max_positions})"
             )
-
-        mask: Tensor | None = None
-        causal = False
-        write: tuple[Tensor, Tensor] | slice
-        if b == 1 and tree_mask is None:
-            write = slice(max_len, max_len + t)
-            causal = t > 1 and max_len == 0
-            if t > 1 and max_len > 0:
-                mask = self._mask(start, t, attn_len, None)
-        else:
-            write = (torch.arange(b, device=dev)[:, None], slots)
-            mask = self._mask(start, t, attn_len, tree_mask)
-
-        cos = self.rope_cos[pos].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.rope_sin[pos].unsqueeze(2)
-        x = F.embedding(tokens, self.embed)  # [B, T, hidden]
+        x = fwd.embed(tokens.reshape(b * t))
         hidden: dict[int, Tensor] = {}
         wanted = set(hidden_layers)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], write, attn_len, mask, causal)
+        for i, layer in enumerate(fwd.layers):
+            x = fwd.layer(layer, x, cache.k[i], cache.v[i], lay)
             if i in wanted:
-                hidden[i] = x
+                hidden[i] = x.view(b, t, -1)
+        x = x.view(b, t, -1)
         if logits_rows is not None:
             x = x.gather(1, logits_rows[:, :, None].expand(-1, -1, x.shape[-1]))  # [B, R, hidden]
-        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), hidden
-
-    @staticmethod
-    def _mask(start: Tensor, t: int, attn_len: int, tree_mask: Tensor | None) -> Tensor:
-        """Boolean mask ``[B, 1, T, attn_len]``: the committed prefix, then the new block."""
-        dev = start.device
-        rel = torch.arange(attn_len, device=dev)[None, None, :] - start[:, None, None]  # [B, 1, S]
-        if tree_mask is None:
-            q = torch.arange(t, device=dev)[None, :, None]  # [1, T, 1]
-            mask = (rel < 0) | (rel <= q)  # [B, T, S]
-        else:
-            inside = (rel >= 0) & (rel < t)
-            idx = rel.clamp(0, t - 1).expand(-1, t, -1)  # [B, T, S]
-            mask = (rel < 0) | (inside & tree_mask.gather(2, idx))
-        return mask[:, None]
+        r = x.shape[1]
+        normed = fwd.final_hidden(x.reshape(b * r, -1)).view(b, r, -1)
+        return normed, hidden

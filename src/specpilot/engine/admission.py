@@ -1,0 +1,127 @@
+"""Admission of prompts into rows of a running batch (segment by segment), between cycles.
+
+A segment of a row's prompt runs through the target eagerly — rows that are contiguous in the
+batch together, padded to the longest segment, in one forward over that slice of the KV cache —
+and its K/V lands at the row's own slots; the drafter sees the same segment (with the target's
+hidden states when it reads them). Other rows are untouched, so their tokens cannot change.
+
+A row still in prefill is frozen at ``committed_len = prefilled + 1`` (see ``engine/rows.py``),
+so the cycles that run over the batch in between only write past its prompt so far. When the
+last segment is in, the target's argmax after the prompt is the row's first committed token and
+the row decodes from the next cycle on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from specpilot.errors import PromptTooLongError
+
+if TYPE_CHECKING:
+    from specpilot.engine.engine import Engine
+
+
+def contiguous_runs(rows: Sequence[int]) -> list[list[int]]:
+    """Indices into ``rows`` grouped into runs of consecutive row numbers (sorted by row)."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i])
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and rows[runs[-1][-1]] + 1 == rows[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def prefill_rows(
+    engine: Engine,
+    rows: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    seg_lens: Sequence[int],
+    max_news: Sequence[int],
+) -> list[int | None]:
+    """See :meth:`Engine.prefill`."""
+    room = engine.capacity - engine.context_margin()
+    for prompt, s, n, new in zip(prompts, starts, seg_lens, max_news, strict=True):
+        if not prompt:
+            raise PromptTooLongError("The prompt is empty; give at least one token.")
+        if not (0 <= s and 1 <= n and s + n <= len(prompt)):
+            raise ValueError(f"segment [{s}, {s + n}) outside a prompt of {len(prompt)} tokens")
+        if len(prompt) + new > room:
+            raise PromptTooLongError(
+                f"A prompt of {len(prompt)} tokens plus {new} new tokens exceeds the {room} "
+                "tokens each row was opened for; shorten the prompt or lower max_new_tokens."
+            )
+    firsts: list[int | None] = [None] * len(rows)
+    for run in contiguous_runs(rows):
+        for i, first in zip(run, _prefill_run(engine, run, rows, prompts, starts, seg_lens, max_news), strict=True):
+            firsts[i] = first
+    return firsts
+
+
+def _prefill_run(
+    engine: Engine,
+    run: list[int],
+    rows: Sequence[int],
+    prompts: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    seg_lens: Sequence[int],
+    max_news: Sequence[int],
+) -> list[int | None]:
+    st, cache, h, dev = engine.state, engine.cache, engine.host, engine.device
+    assert cache is not None
+    r0, b = rows[run[0]], len(run)
+    width = max(seg_lens[i] for i in run)
+    padded = torch.zeros(b, width, dtype=torch.int64)
+    for j, i in enumerate(run):
+        s = starts[i]
+        padded[j, : seg_lens[i]] = torch.tensor(list(prompts[i][s : s + seg_lens[i]]), dtype=torch.int64)
+    tokens = padded.to(dev)  # [b, T]
+    start = torch.tensor([starts[i] for i in run], dtype=torch.int64, device=dev)  # [b]
+    drafter = engine.drafter
+    layers = () if drafter is None else drafter.hidden_layers
+    hidden = None
+    if layers:
+        cfg, dt = engine.target.cfg, engine.target.dtype
+        hidden = torch.empty(len(layers), b, width, cfg.hidden_size, dtype=dt, device=dev)
+    attn_len = engine.bucket(max(starts[i] + width for i in run))
+    host_start = starts[run[0]] if b == 1 and not engine.runner.use_graphs else None
+    view = cache.slice(r0, b)
+    x = engine.fwd.dense(tokens, view, start, attn_len, layers, hidden, host_start)  # [b*T, H]
+    done = [starts[i] + seg_lens[i] == len(prompts[i]) for i in run]
+    last = torch.tensor([j * width + seg_lens[i] - 1 for j, i in enumerate(run)], device=dev)
+    first = engine.fwd.argmax(x.index_select(0, last))  # [b]
+    firsts = first.tolist()
+    out: list[int | None] = []
+    for j, i in enumerate(run):
+        row, s, n = r0 + j, starts[i], seg_lens[i]
+        st.tokens[row, s : s + n].copy_(tokens[j, :n])
+        if s == 0 and engine.plan is not None:  # a new sequence: the plan forgets the old
+            engine.plan.reset_row(row)
+        if done[j]:
+            st.tokens[row, s + n] = first[j]
+            st.pending[row] = first[j]
+            st.active[row] = 1
+            h.lens[row], h.final[row] = s + n + 1, s + n + max_news[i]
+            h.contexts[row] = [*prompts[i], firsts[j]]
+            h.active[row] = True
+            h.filled.append(row)
+            out.append(firsts[j])
+        else:
+            st.tokens[row, s + n] = 0
+            st.pending[row] = 0
+            st.active[row] = 0
+            h.lens[row], h.final[row] = s + n + 1, s + n + 1
+            h.contexts[row], h.active[row] = [], False
+            out.append(None)
+        st.committed_len[row] = s + n + 1
+        st.prev_committed[row] = s + n + 1
+        st.draft_lens[row] = 0
+        st.accepted[row] = 0
+    if drafter is not None:
+        drafter.prefill(engine, r0, tokens, start, attn_len, hidden)
+    return out

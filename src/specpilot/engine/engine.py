@@ -1,0 +1,433 @@
+"""The one engine: rows of a batch, and the propose → verify → accept → commit cycle over them.
+
+Per step, for every decoding row at once:
+
+1. **propose** — the drafter writes up to k drafted tokens per row into the row state;
+2. **verify** — the target runs once over ``[pending, d_1..d_w]`` per row (the verify plan,
+   ``engine/plans.py``, says how: a dense chain, a packed ragged block or a tree);
+3. **accept** — on the device, the longest drafted prefix (or tree path) equal to the target's
+   argmax, plus the target's bonus token (``engine/accept.py``), committed to the row state;
+4. **commit** — one device→host copy of ``[accepted, a_0..a_{W-1}]`` per row; the host extends
+   each row's context and reports the committed tokens.
+
+With no drafter every step is AR (the k = 0 case of the same cycle): ``sync_every`` steps are
+queued before the committed tokens are read back once (1 on the CPU, where reading is free).
+The engine does not cut at stop tokens or length limits: its caller does (``engine/
+scheduler.py``, the one loop over requests) and releases a finished row; a row may run up to
+``context_margin`` slots past its limit before that, which every open batch keeps free.
+
+Every step runs through the :class:`~specpilot.engine.runner.Runner`: eagerly, or replayed from
+CUDA graphs captured per shape key (the default on CUDA). The forward is the one layer body of
+``models/forward.py``. Rows: ``engine/rows.py``; admission of prompts: :meth:`Engine.prefill`.
+The engine implements :class:`~specpilot.drafters.base.DraftRows`, the view drafters get.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from specpilot.drafters.base import Drafter
+from specpilot.engine.accept import accept_and_commit
+from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
+from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
+from specpilot.engine.runner import Runner
+from specpilot.engine.types import CycleTimes, RowCommit
+from specpilot.errors import PromptTooLongError
+from specpilot.models.forward import Forward
+from specpilot.models.kv_cache import KVCache
+from specpilot.models.layout import DenseLayout, Layout, PackedLayout, PackedRows
+from specpilot.models.transformer import Transformer
+from specpilot.timing import time_call
+
+
+class Engine:
+    """Greedy speculative decoding over the rows of a batch; ``drafter=None`` is plain AR."""
+
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter | None = None,
+        *,
+        plan: VerifyPlan | None = None,
+        graphs: bool | None = None,
+        attn_bucket: int = 128,
+        sync_every: int | None = None,
+        fuse_residual: bool | None = None,
+        profile: bool = False,
+    ) -> None:
+        """``graphs``: run steps from CUDA graphs (default: on CUDA). ``plan``: the verify plan
+        (default: the chain). ``profile``: time the draft, verify and accept phases."""
+        if plan is not None and drafter is None:
+            raise ValueError("A verify plan needs a drafter; plain AR verifies one token per row.")
+        self.target = target
+        self.drafter = drafter
+        self.device = target.device
+        cuda = self.device.type == "cuda"
+        self.fwd = Forward(target, fuse_residual=fuse_residual)
+        self.runner = Runner(self.device, cuda if graphs is None else graphs)
+        self.attn_bucket = attn_bucket
+        self.sync_every = sync_every if sync_every is not None else (16 if cuda else 1)
+        self.k = 0 if drafter is None else drafter.k
+        self.plan: VerifyPlan | None = plan or (ChainPlan() if drafter is not None else None)
+        width = self.plan.block_width(self.k) if self.plan is not None else 1
+        depth = self.plan.depth(self.k) if isinstance(self.plan, TreePlan) else self.k
+        self.k_max = max(self.k, width - 1, depth)
+        self.profile = profile
+        self.times = CycleTimes()
+        self.batch = 0
+        self.cache: KVCache | None = None
+        self._state: RowState | None = None
+        self._hidden: Tensor | None = None  # [n_sel, B, k_max+1, hidden]
+        self._draft_host: Tensor | None = None  # [B, k+1] pinned: host drafts + their lengths
+        self.host = HostRows.idle(0)
+        self._marks: list[object] = []
+
+    # ------------------------------------------------------------------ sizes
+    def context_margin(self) -> int:
+        """Slots past a row's limit that a step may write (drafts, verify block, AR window)."""
+        return 2 * (self.k_max + 1) + self.sync_every + 2
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + new tokens a row can hold (the RoPE table less the margin)."""
+        return self.target.max_positions - self.context_margin()
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.cache is None else self.cache.max_seq_len
+
+    def bucket(self, need: int) -> int:
+        """Attention length for ``need`` slots: exact when eager, rounded up to the bucket on
+        CUDA graphs (one graph per bucket)."""
+        cap = self.capacity
+        if not self.runner.use_graphs:
+            return min(need, cap)
+        b = self.attn_bucket
+        return min(-(-need // b) * b, cap)
+
+    @property
+    def verify_graph_safe(self) -> bool:
+        head = self.target.argmax_head
+        return head is None or bool(getattr(head, "graph_safe", False))
+
+    # ------------------------------------------------------------------ the view drafters get
+    @property
+    def state(self) -> RowState:
+        if self._state is None:
+            raise RuntimeError("No rows are open; call open() first.")
+        return self._state
+
+    @property
+    def verify_hidden(self) -> Tensor | None:
+        return None if self._hidden is None else self._hidden[:, :, : self.k + 1]
+
+    @property
+    def contexts(self) -> list[list[int]]:
+        return self.host.contexts
+
+    @property
+    def active(self) -> list[bool]:
+        return self.host.active
+
+    def committed_lens(self) -> list[int]:
+        return list(self.host.lens)
+
+    def room(self) -> list[int]:
+        """Per row: tokens it may still commit before its length limit (a verify wider than
+        this drafts tokens its caller would cut)."""
+        h = self.host
+        return [max(f - n, 1) for f, n in zip(h.final, h.lens, strict=True)]
+
+    def oracle_horizon(self) -> int:
+        h = self.host
+        rows = [b for b, a in enumerate(h.active) if a] or list(range(self.batch))
+        need = max(h.final[b] - h.lens[b] for b in rows) + self.k + 2
+        return max(1, min(need, self.capacity - max(h.lens) - 1))
+
+    def write_drafts(self, drafts: Sequence[Sequence[int]]) -> list[int]:
+        buf, st, k = self._draft_host, self.state, self.k
+        assert buf is not None and len(drafts) == self.batch
+        buf.zero_()
+        lens = [min(len(d), k) for d in drafts]
+        for b, (d, n) in enumerate(zip(drafts, lens, strict=True)):
+            if n:
+                buf[b, :n] = torch.tensor(list(d[:n]), dtype=torch.int64)
+            buf[b, k] = n
+        st.drafts[:, :k].copy_(buf[:, :k], non_blocking=True)
+        st.draft_lens.copy_(buf[:, k], non_blocking=True)
+        return lens
+
+    @torch.inference_mode()
+    def reference_continuation(self, n: int) -> list[list[int]]:
+        """The target's next ``n`` greedy tokens per row from the committed state, by AR steps of
+        this engine's own forward, not committed (the KV they write lies past the committed
+        lengths, where the next forward overwrites it). Excluded from the timed wall clock."""
+        st = self.state
+        self.runner.synchronize()
+        t0 = time.perf_counter()
+        snap = st.snapshot()
+        base = max(self.host.lens)
+        for s in range(n):
+            self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
+            self.run_accept(0)
+        tokens = st.tokens[:, : base + n].cpu().tolist()
+        st.restore(snap)
+        self.runner.synchronize()
+        self.times.excluded += time.perf_counter() - t0
+        return [tokens[row][c : c + n] for row, c in enumerate(self.host.lens)]
+
+    # ------------------------------------------------------------------ rows
+    @torch.inference_mode()
+    def open(self, batch: int, max_context: int) -> None:
+        """Make ``batch`` idle rows, each for up to ``max_context`` tokens (prompt + new). Buffers
+        (and the graphs captured on them) are kept when they already fit."""
+        if batch < 1:
+            raise ValueError(f"batch must be at least 1, got {batch}")
+        if max_context > self.max_context:
+            raise PromptTooLongError(
+                f"A context of {max_context} tokens exceeds the model's context of "
+                f"{self.max_context} for this engine; shorten the prompt or lower max_new_tokens."
+            )
+        need = max_context + self.context_margin()
+        if self.cache is None or self.batch != batch or self.capacity < need:
+            cap = 256
+            while cap < need:
+                cap *= 2
+            self._allocate(batch, min(cap, self.target.max_positions))
+        st = self.state
+        st.tokens.zero_()
+        st.committed_len.fill_(IDLE_LEN)
+        st.prev_committed.fill_(IDLE_LEN)
+        for t in (st.pending, st.active, st.cycle, st.drafts, st.draft_lens, st.accepted):
+            t.zero_()
+        st.cut.fill_(self.k_max)
+        self.host = HostRows.idle(batch)
+        if self.plan is not None:
+            self.plan.bind(self)
+        self.times = CycleTimes()
+
+    def _allocate(self, batch: int, capacity: int) -> None:
+        self.runner.reset()
+        self.batch = batch
+        self.cache = self.target.allocate_cache(batch, capacity)
+        self._state = RowState.allocate(batch, capacity, self.k_max, self.device)
+        layers = () if self.drafter is None else self.drafter.hidden_layers
+        cfg, dt = self.target.cfg, self.target.dtype
+        self._hidden = (
+            torch.zeros(len(layers), batch, self.k_max + 1, cfg.hidden_size, dtype=dt, device=self.device)
+            if layers
+            else None
+        )
+        pin = self.device.type == "cuda"
+        self._draft_host = torch.zeros(batch, self.k + 1, dtype=torch.int64, pin_memory=pin)
+        if self.drafter is not None:
+            self.drafter.bind(self)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        rows: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        seg_lens: Sequence[int],
+        max_news: Sequence[int],
+    ) -> list[int | None]:
+        """Feed ``prompts[i][starts[i] : starts[i] + seg_lens[i]]`` to row ``rows[i]`` (its
+        earlier segments are in). A row whose prompt ends with it starts decoding for up to
+        ``max_news[i]`` tokens: its first token (the target's argmax after the prompt) is
+        returned; None for rows still in prefill. Contiguous rows run in one forward."""
+        from specpilot.engine.admission import prefill_rows
+
+        t0 = time.perf_counter()
+        firsts = prefill_rows(self, rows, prompts, starts, seg_lens, max_news)
+        self.times.prefill += time.perf_counter() - t0
+        return firsts
+
+    @torch.inference_mode()
+    def release(self, row: int) -> None:
+        """Make ``row`` idle (frozen at ``IDLE_LEN``); its KV slice is scratch from now on."""
+        st = self.state
+        st.active[row] = 0
+        st.committed_len[row] = IDLE_LEN
+        st.prev_committed[row] = IDLE_LEN
+        st.pending[row] = 0
+        h = self.host
+        h.lens[row], h.final[row], h.contexts[row], h.active[row] = IDLE_LEN, IDLE_LEN, [], False
+        if row in h.filled:
+            h.filled.remove(row)
+
+    # ------------------------------------------------------------------ decode
+    @torch.inference_mode()
+    def step(self) -> list[RowCommit]:
+        """One cycle over every decoding row (``sync_every`` AR steps without a drafter)."""
+        if not any(self.host.active):
+            return []
+        t0, excluded0 = time.perf_counter(), self.times.excluded
+        if self.host.filled and self.drafter is not None:
+            self.drafter.admitted(self, list(self.host.filled))
+        self.host.filled = []
+        out = self._ar_window() if self.drafter is None else self._spec_cycle()
+        self.times.wall += time.perf_counter() - t0 - (self.times.excluded - excluded0)
+        return out
+
+    def _ar_window(self) -> list[RowCommit]:
+        h, st = self.host, self.state
+        rows = [b for b, a in enumerate(h.active) if a]
+        steps = max(1, min(self.sync_every, max(h.final[b] - h.lens[b] for b in rows)))
+        base = max(h.lens)
+        for s in range(steps):
+            self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
+            self.run_accept(0)
+        lo = min(h.lens[b] for b in rows)
+        tokens = st.tokens[:, lo : max(h.lens[b] for b in rows) + steps].cpu().tolist()
+        out = []
+        for b in rows:
+            new = tokens[b][h.lens[b] - lo : h.lens[b] - lo + steps]
+            h.lens[b] += steps
+            h.contexts[b].extend(new)
+            out.append(RowCommit(b, new, 0, 0, cycles=steps))
+        self.times.cycles += steps
+        return out
+
+    def _spec_cycle(self) -> list[RowCommit]:
+        assert self.plan is not None and self.drafter is not None
+        h, st = self.host, self.state
+        self._marks = []
+        self.mark()
+        w, drafted = self.plan.cycle(self)
+        self.mark()
+        out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
+        self._add_marks()
+        commits, observed = [], []
+        for b, a in enumerate(h.active):
+            if not a:
+                continue
+            n = out[b][0]
+            toks = out[b][1 : n + 2]
+            observed.append((b, h.lens[b], toks))
+            h.lens[b] += n + 1
+            h.contexts[b].extend(toks)
+            self.plan.observe(b, drafted[b], n)
+            commits.append(RowCommit(b, toks, drafted[b], n))
+        self.times.cycles += 1
+        self.drafter.observe(self, observed)
+        return commits
+
+    # ------------------------------------------------------------------ steps (used by plans)
+    def run_draft(self) -> list[int] | None:
+        """The drafter's proposal for this cycle; host drafters' draft lengths, or None."""
+        drafter, st = self.drafter, self.state
+        assert drafter is not None
+        attn_len = drafter.attn_len(self, max(self.host.lens))
+        box: list[list[int] | None] = []
+        self.runner.run(
+            ("draft", attn_len),
+            lambda: box.append(drafter.propose(self, attn_len)),
+            st,
+            drafter.graph_safe,
+        )
+        return box[-1] if box and not drafter.graph_safe else None
+
+    def run_verify(self, w: int, attn_len: int, with_hidden: bool = True, offset: int = 0) -> None:
+        """Dense verify of ``[pending, drafts[:, :w-1]]`` per row into ``verify_argmax[:, :w]``.
+        ``offset``: AR steps queued before this one (the host mirror lags by that much)."""
+        st = self.state
+        hidden = self._hidden if with_hidden and self.drafter is not None else None
+        host_start = None
+        if not self.runner.use_graphs and self.batch == 1:
+            host_start = self.host.lens[0] - 1 + offset
+
+        def verify() -> None:
+            block = torch.cat([st.pending[:, None], st.drafts[:, : w - 1]], dim=1) if w > 1 else st.pending[:, None]
+            lay = DenseLayout.build(
+                st.committed_len - 1, w, attn_len, self.fwd.groups, self.target.dtype,
+                host_start=host_start,
+            )  # fmt: skip
+            self.forward_block(block, lay, st.verify_argmax, hidden)
+
+        key = ("verify", w, attn_len, hidden is not None)
+        self.runner.run(key, verify, st, self.verify_graph_safe)
+
+    def run_accept(self, k: int) -> None:
+        st = self.state
+        self.runner.run(("accept", k), lambda: accept_and_commit(st, k), st)
+
+    def forward_block(
+        self,
+        block: Tensor,  # [B, W] int64: each row's block (a packed layout reads only its rows)
+        lay: Layout,
+        argmax_out: Tensor,  # [B, >= W] int64: a_j of each block row
+        hidden_out: Tensor | None,  # [n_sel, B, >= W, hidden] for the drafter, or None
+    ) -> None:
+        """The target over a verify block: argmax (and the drafter's hidden states) in block order."""
+        fwd = self.fwd
+        layers = () if hidden_out is None or self.drafter is None else self.drafter.hidden_layers
+        tokens = block.reshape(-1)
+        if isinstance(lay, PackedLayout):
+            tokens = tokens.index_select(0, lay.gather_index)
+        assert self.cache is not None
+        x = fwd.run_layers(fwd.embed(tokens), self.cache, lay, layers, hidden_out)
+        lay.to_block(fwd.argmax(x)[:, None], argmax_out[:, :, None])
+
+    def packed_layout(
+        self,
+        rows: PackedRows,
+        m: int,
+        attn_len: int,
+        depths: Tensor | None = None,
+        visible: Tensor | None = None,
+    ) -> PackedLayout:
+        st = self.state
+        return PackedLayout.build(
+            rows, m, st.committed_len - 1, attn_len, self.fwd.groups, self.target.dtype,
+            self.capacity, depths, visible,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ timing
+    def mark(self) -> None:
+        """A phase boundary of the current cycle (recorded only when profiling)."""
+        if not self.profile:
+            return
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def _add_marks(self) -> None:
+        """Add the cycle's phase times (after the read-back, so CUDA events are complete)."""
+        m = self._marks
+        if len(m) != 4:
+            return
+        if isinstance(m[0], float):
+            d = [float(m[i + 1]) - float(m[i]) for i in range(3)]  # type: ignore[arg-type]
+        else:
+            d = [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(3)]  # type: ignore[attr-defined]
+        self.times.draft += d[0]
+        self.times.verify += d[1]
+        self.times.accept += d[2]
+
+    @torch.inference_mode()
+    def time_forward(self, width: int, iters: int = 20) -> float:
+        """Seconds per target forward of ``width`` tokens per row (a verify of ``width - 1``
+        drafts) at the current committed state, replayed like a cycle's verify (median of 3
+        runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
+        if width - 1 > self.k_max:
+            raise ValueError(f"width must be at most {self.k_max + 1}, got {width}")
+        st = self.state
+        attn_len = self.bucket(max(self.host.lens) - 1 + width)
+
+        def verify() -> None:
+            block = torch.cat([st.pending[:, None], st.drafts[:, : width - 1]], dim=1)
+            lay = DenseLayout.build(st.committed_len - 1, width, attn_len, self.fwd.groups, self.target.dtype)
+            self.forward_block(block, lay, st.verify_argmax, None)
+
+        def once() -> None:
+            self.runner.run(("time", width, attn_len), verify, st, self.verify_graph_safe)
+
+        return time_call(once, self.device, iters, warmup=1)

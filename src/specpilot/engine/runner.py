@@ -1,0 +1,73 @@
+"""How a step runs: eagerly, or replayed from a CUDA graph captured on first use per key.
+
+The cycle (``engine/engine.py``) decides *what* runs; the runner decides *how*. A step function
+reads and writes only persistent buffers (the row state, KV caches, drafter and plan buffers),
+never syncs with the host and has fixed shapes for its key (e.g. ``("verify", width, attn_len)``).
+A step that is not graph-safe (a host drafter, a mechanism that decides on the host) is declared
+so and always runs eagerly.
+
+Graphs: the first call of a key runs the step once eagerly to warm up (Triton JIT, cuBLAS
+handles, allocator growth), restores the small row state that run advanced, captures it, then
+replays. K/V the warm-up wrote lies at or past the committed length, where a replay rewrites it.
+All graphs share one memory pool; they replay one at a time on one stream, and nothing a graph
+leaves in pool memory is read by another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from specpilot.engine.rows import RowState
+
+StepFn = Callable[[], None]
+
+
+class Runner:
+    """Runs steps eagerly (``use_graphs=False``) or from CUDA graphs."""
+
+    def __init__(self, device: torch.device, use_graphs: bool) -> None:
+        if use_graphs and device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; run eagerly on the CPU.")
+        self.device = device
+        self.use_graphs = use_graphs
+        self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None  # torch's opaque pool handle
+        self.captures = 0
+
+    def reset(self) -> None:
+        """Forget every graph (the buffers they were captured on are being replaced)."""
+        self._graphs.clear()
+        self._pool = None  # the old pool dies with its graphs; never capture into it again
+
+    def run(self, key: Hashable, fn: StepFn, state: RowState, graph_safe: bool = True) -> None:
+        if not (self.use_graphs and graph_safe):
+            fn()
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(fn, state)
+            self._graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, fn: StepFn, state: RowState) -> torch.cuda.CUDAGraph:
+        snap = state.snapshot()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        state.restore(snap)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        self.captures += 1
+        return graph
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

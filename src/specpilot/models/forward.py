@@ -1,0 +1,233 @@
+"""The one forward of the target (and of every drafter built from decoder layers).
+
+:class:`Forward` runs the decoder layers over the rows of a layout (``models/layout.py``: dense,
+packed or tree) with one layer body: RMSNorm → qkv → RoPE (+ q/k norm) and K/V write → attention
+over the cache (GQA group folded into the query rows, an additive mask) → o → RMSNorm →
+gate/up → SiLU·mul → down. Prefill, AR steps, chain, ragged and tree verify, the block
+drafter's block and token forcing all run this body; what differs is the layout.
+
+It has no host sync and fixed shapes per call site, so the engine can capture it in CUDA graphs.
+Two ways to run the small ops, numerically the stock ones up to rounding:
+
+* ``use_triton`` (default on CUDA): RMSNorm, RoPE + K/V write (+ query placement) and SiLU·mul
+  are fused Triton kernels (``kernels/decode_triton.py``), and residual adds ride on the GEMM
+  (``addmm``, ``fuse_residual``);
+* otherwise the torch references (``kernels/reference.py``): the **stock** rounding order, which
+  ``Transformer.forward`` (what token forcing trusts) always uses.
+
+Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12)
+and ``Transformer.argmax_head`` (the LM-head argmax). On the CPU a one-row product uses the
+layer's ``[in, out]`` copy when the model keeps one (``Transformer.add_gemv_copies``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpilot.kernels import reference, triton_usable
+from specpilot.models.kv_cache import KVCache
+from specpilot.models.layout import DenseLayout, Layout, PackedLayout
+
+if TYPE_CHECKING:
+    from specpilot.models.transformer import DecoderLayer, Transformer
+
+
+class Forward:
+    """The layer body and the whole passes over a :class:`Transformer`'s weights."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        use_triton: bool | None = None,
+        fuse_residual: bool | None = None,
+        layers: Sequence[DecoderLayer] | None = None,
+    ) -> None:
+        """``layers``: the decoder layers to run (default: the model's; a block drafter passes
+        its own, with the target's embedding, final norm and LM head)."""
+        self.model = model
+        self.cfg = model.cfg
+        self.layers: list[DecoderLayer] = list(layers if layers is not None else model.layers)  # type: ignore[arg-type]
+        self.use_triton = triton_usable(model.device) if use_triton is None else use_triton
+        self._k: ModuleType | None = None
+        if self.use_triton:
+            from specpilot.kernels import decode_triton
+
+            self._k = decode_triton
+        self.groups = self.cfg.num_heads // self.cfg.num_kv_heads
+        # "GEMM, round, add" versus the add fused into the GEMM differ by rounding only; the
+        # stock order is kept unless the fused kernels are on.
+        self.fuse_residual = self.use_triton if fuse_residual is None else fuse_residual
+
+    # ------------------------------------------------------------------ pieces
+    def norm(self, x: Tensor, weight: Tensor) -> Tensor:  # [M, N] -> [M, N]
+        if self._k is not None:
+            return self._k.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        return reference.rms_norm_ref(x, weight, self.cfg.rms_norm_eps)
+
+    @staticmethod
+    def linear(layer: DecoderLayer, name: str, a: Tensor, b: Tensor | None = None) -> Tensor:
+        """``a [M, K] @ W.T (+ b)`` for the layer's matrix ``name``: a mechanism's kernel when one
+        is installed in ``layer.linear_fns``, the ``[in, out]`` copy for one row, else F.linear."""
+        fn = layer.linear_fns.get(name)
+        if fn is not None:
+            return fn(a, b)
+        w_in_out = layer.gemv.get(name)
+        if w_in_out is not None and a.shape[0] == 1:
+            y = a @ w_in_out
+            return y if b is None else y + b
+        return F.linear(a, getattr(layer, name), b)
+
+    def linear_residual(self, x: Tensor, a: Tensor, layer: DecoderLayer, name: str) -> Tensor:
+        """``x + a @ W.T`` for ``x [M, N]``, ``a [M, K]``, ``W = layer.<name> [N, K]``."""
+        if self.fuse_residual and name not in layer.linear_fns:
+            return torch.addmm(x, a, getattr(layer, name).t())
+        return x + self.linear(layer, name, a)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:  # [M, 2I] -> [M, I]
+        if self._k is not None:
+            return self._k.silu_mul(gate_up)
+        return reference.silu_mul_ref(gate_up)
+
+    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor, norm_w: Tensor | None) -> Tensor:
+        """Torch path: optional per-head RMSNorm, then rotate-half RoPE of ``x [M, H, D]``."""
+        if norm_w is not None:
+            x = reference.rms_norm_ref(x, norm_w, self.cfg.rms_norm_eps)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return (x * cos + rotated * sin).to(x.dtype)
+
+    def rope_write(
+        self,
+        layer: DecoderLayer,
+        qkv: Tensor,  # [M, q + 2kv] (q_heads == 0: [M, 2kv])
+        k_cache: Tensor,  # [B, H_kv, S, D]
+        v_cache: Tensor,
+        lay: Layout,
+        q_heads: int,
+    ) -> Tensor:
+        """RoPE (+ q/k norm), K/V written at the layout's slots; q in the padded block
+        ``[B, H_kv, G*W, D]`` (empty when ``q_heads == 0``)."""
+        cfg, model = self.cfg, self.model
+        d, hkv, m = cfg.head_dim, cfg.num_kv_heads, qkv.shape[0]
+        if self._k is not None:
+            args = (model.rope_cos, model.rope_sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
+            if isinstance(lay, PackedLayout):
+                return self._k.rope_qkv_write_packed(
+                    qkv.contiguous(), q_heads, hkv, d, lay.batch, lay.width, lay.positions,
+                    lay.place, *args, k_cache, v_cache,
+                )[: lay.batch]  # fmt: skip
+            return self._k.rope_qkv_write(
+                qkv.contiguous(), q_heads, hkv, d, lay.batch, lay.positions, *args,
+                k_cache, v_cache, lay.slots,
+            )  # fmt: skip
+        q_cols = q_heads * d
+        k = qkv[:, q_cols : q_cols + hkv * d].reshape(m, hkv, d)
+        v = qkv[:, q_cols + hkv * d :].reshape(m, hkv, d)
+        cos, sin = lay.cos_sin(model.rope_cos, model.rope_sin)
+        lay.write_kv(self._rope(k, cos, sin, layer.k_norm), v, k_cache, v_cache)
+        if q_heads == 0:
+            return qkv.new_empty(lay.batch, hkv, 0, d)
+        q = self._rope(qkv[:, :q_cols].reshape(m, q_heads, d), cos, sin, layer.q_norm)
+        return lay.place_q(q, hkv)
+
+    # ------------------------------------------------------------------ the layer body
+    def layer(
+        self,
+        layer: DecoderLayer,
+        x: Tensor,  # [M, hidden] residual stream
+        k_cache: Tensor,  # [B, H_kv, S, D]
+        v_cache: Tensor,
+        lay: Layout,
+    ) -> Tensor:
+        cfg = self.cfg
+        hn = self.norm(x, layer.input_norm)
+        qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
+        q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
+        attn = F.scaled_dot_product_attention(
+            q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
+        )  # [B, H_kv, G*W, D]
+        x = self.linear_residual(x, lay.gather(attn), layer, "w_o")
+        hn = self.norm(x, layer.post_attn_norm)
+        act = self.silu_mul(self.linear(layer, "w_gate_up", hn))  # [M, I]
+        return self.linear_residual(x, act, layer, "w_down")
+
+    def write_kv(
+        self,
+        layer: DecoderLayer,
+        x: Tensor,  # [M, hidden] already normed context rows
+        k_cache: Tensor,
+        v_cache: Tensor,
+        lay: Layout,
+    ) -> None:
+        """Project rows to K/V only (no attention, no MLP) and write them at the layout's slots
+        (a block drafter's context rows)."""
+        q = self.cfg.q_size
+        w_kv = layer.w_qkv[q:]
+        b_kv = None if layer.b_qkv is None else layer.b_qkv[q:]
+        self.rope_write(layer, F.linear(x, w_kv, b_kv), k_cache, v_cache, lay, 0)
+
+    # ------------------------------------------------------------------ whole passes
+    def run_layers(
+        self,
+        x: Tensor,  # [M, hidden]
+        cache: KVCache,
+        lay: Layout,
+        hidden_layers: Sequence[int] = (),
+        hidden_out: Tensor | None = None,  # [len(hidden_layers), B, >= W, hidden]
+    ) -> Tensor:
+        """Every layer over the layout's rows; the chosen layers' outputs copied to
+        ``hidden_out`` in block order. Returns the last layer's output ``[M, hidden]``."""
+        if lay.attn_len > cache.max_seq_len:
+            raise ValueError(f"attention length {lay.attn_len} beyond the cache ({cache.max_seq_len})")
+        for i, layer in enumerate(self.layers):
+            x = self.layer(layer, x, cache.k[i], cache.v[i], lay)
+            if hidden_out is not None and i in hidden_layers:
+                lay.to_block(x, hidden_out[hidden_layers.index(i)])
+        return x
+
+    def embed(self, tokens: Tensor) -> Tensor:  # [M] int64 -> [M, hidden]
+        return F.embedding(tokens, self.model.embed)
+
+    def final_hidden(self, x: Tensor) -> Tensor:  # [M, hidden] -> final-normed [M, hidden]
+        return self.norm(x, self.model.final_norm)
+
+    def logits(self, x: Tensor) -> Tensor:  # [M, hidden] -> [M, vocab]
+        """Final norm and LM head."""
+        return self.logits_normed(self.final_hidden(x))
+
+    def logits_normed(self, h: Tensor) -> Tensor:  # final-normed [M, hidden] -> [M, vocab]
+        """The LM head (the ``[in, out]`` copy for one row when the model keeps one)."""
+        m = self.model
+        if m.lm_head_in_out is not None and h.shape[0] == 1:
+            return h @ m.lm_head_in_out
+        return F.linear(h, m.lm_head)
+
+    def argmax(self, x: Tensor) -> Tensor:  # [M, hidden] -> [M] int64
+        """The greedy token after each row; the ``lm_head_argmax`` plug point when installed."""
+        head = self.model.argmax_head
+        if head is not None:
+            return head(self.final_hidden(x)[None])[0]
+        return self.logits(x).argmax(dim=-1)
+
+    def dense(
+        self,
+        tokens: Tensor,  # [B, T] int64
+        cache: KVCache,
+        start: Tensor,  # [B] int64 device: committed KV entries per sequence
+        attn_len: int,
+        hidden_layers: Sequence[int] = (),
+        hidden_out: Tensor | None = None,  # [len(hidden_layers), B, >= T, hidden]
+        host_start: int | None = None,
+        causal: bool = True,
+    ) -> Tensor:
+        """Last-layer output ``[B*T, hidden]`` of a block written at slots ``start + t``."""
+        b, t = tokens.shape
+        lay = DenseLayout.build(start, t, attn_len, self.groups, self.model.dtype, causal, host_start)
+        x = self.embed(tokens.reshape(b * t))
+        return self.run_layers(x, cache, lay, hidden_layers, hidden_out)
