@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specpilot.engine.batching import BatchScheduler, Request, RequestResult
+from specpilot.engine import Request, RequestResult, Scheduler
 from specpilot.engine.stats import AcceptanceStats
 
 
@@ -50,7 +50,7 @@ def request_stream(
     ]
 
 
-def warm_up_scheduler(sched: BatchScheduler, prompt: Sequence[int], eos: frozenset[int]) -> None:
+def warm_up_scheduler(sched: Scheduler, prompt: Sequence[int], eos: frozenset[int]) -> None:
     """A few short requests through ``sched``, outside any timing."""
     sched.run([Request(f"warm{i}", tuple(prompt[-16:]), 8, eos) for i in range(2)])
 
@@ -93,7 +93,7 @@ class BatchedRun:
 
 def run_stream(
     engine: str,
-    sched: BatchScheduler,
+    sched: Scheduler,
     requests: Sequence[Request],
     arrivals: Sequence[float],
     on_finish: Callable[[], None] | None = None,

@@ -58,9 +58,12 @@ class Engine:
         sync_every: int | None = None,
         fuse_residual: bool | None = None,
         profile: bool = False,
+        capacity: int | None = None,
     ) -> None:
         """``graphs``: run steps from CUDA graphs (default: on CUDA). ``plan``: the verify plan
-        (default: the chain). ``profile``: time the draft, verify and accept phases."""
+        (default: the chain). ``profile``: time the draft, verify and accept phases.
+        ``capacity``: KV slots per row (default: the model's RoPE table), allocated once, so
+        that graphs captured on the buffers stay valid for every later request."""
         if plan is not None and drafter is None:
             raise ValueError("A verify plan needs a drafter; plain AR verifies one token per row.")
         self.target = target
@@ -77,6 +80,8 @@ class Engine:
         depth = self.plan.depth(self.k) if isinstance(self.plan, TreePlan) else self.k
         self.k_max = max(self.k, width - 1, depth)
         self.profile = profile
+        limit = target.max_positions
+        self.slots = limit if capacity is None else min(capacity, limit)
         self.times = CycleTimes()
         self.batch = 0
         self.cache: KVCache | None = None
@@ -93,8 +98,8 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        """Longest prompt + new tokens a row can hold (the RoPE table less the margin)."""
-        return self.target.max_positions - self.context_margin()
+        """Longest prompt + new tokens a row can hold (its slots less the margin)."""
+        return self.slots - self.context_margin()
 
     @property
     def capacity(self) -> int:
@@ -184,7 +189,7 @@ class Engine:
     @torch.inference_mode()
     def open(self, batch: int, max_context: int) -> None:
         """Make ``batch`` idle rows, each for up to ``max_context`` tokens (prompt + new). Buffers
-        (and the graphs captured on them) are kept when they already fit."""
+        (and the graphs captured on them) are kept while the batch size stays."""
         if batch < 1:
             raise ValueError(f"batch must be at least 1, got {batch}")
         if max_context > self.max_context:
@@ -192,12 +197,8 @@ class Engine:
                 f"A context of {max_context} tokens exceeds the model's context of "
                 f"{self.max_context} for this engine; shorten the prompt or lower max_new_tokens."
             )
-        need = max_context + self.context_margin()
-        if self.cache is None or self.batch != batch or self.capacity < need:
-            cap = 256
-            while cap < need:
-                cap *= 2
-            self._allocate(batch, min(cap, self.target.max_positions))
+        if self.cache is None or self.batch != batch:
+            self._allocate(batch, self.slots)
         st = self.state
         st.tokens.zero_()
         st.committed_len.fill_(IDLE_LEN)
