@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specpilot.engine import SpecEngine
+from specpilot.engine import Engine
 from specpilot.engine.build import EngineBuild, build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
+from specpilot.errors import SpecPilotError
 from specpilot.runtime import (
     DEFAULT_MAX_CONTEXT,
     LoadedModel,
@@ -38,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
     g.add_argument(
         "--drafter",
         default=default_drafter,
-        choices=["none", "ngram", "draft-model"],
-        help="drafter kind (default: %(default)s; none = plain AR)",
+        choices=["none", "ngram", "draft-model", "block"],
+        help="drafter kind (default: %(default)s; none = plain AR; block = a DFlash-shaped block "
+        "drafter with seeded random weights, for timing under --simulate-acceptance)",
     )
     g.add_argument(
         "--draft-model",
@@ -83,6 +86,21 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
         default=DEFAULT_MAX_CONTEXT,
         help="context cap in tokens (default: %(default)s)",
     )
+    g.add_argument(
+        "--simulate-acceptance",
+        metavar="PROFILE",
+        default=None,
+        help="time a deployment whose real drafter is not at hand: the drafter runs for real, its "
+        "proposals follow PROFILE ('tau=6.5,block=16' or 'rates=0.9,0.8,...'; block sets -k to "
+        "block - 1); verification stays real and every figure says 'simulated acceptance'",
+    )
+    g.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        default=None,
+        help="run every step eagerly on CUDA (default: CUDA graphs on CUDA, eager on the CPU)",
+    )
 
 
 @dataclass(slots=True)
@@ -97,10 +115,7 @@ class Deployment:
 
     @property
     def drafter_name(self) -> str:
-        cfg = self.build.config
-        if self.build.drafter is None:
-            return "none"
-        return f"{cfg.deployment.drafter}(k={cfg.k})"
+        return self.build.label
 
     def meta(self) -> dict[str, str]:
         return {
@@ -108,10 +123,16 @@ class Deployment:
             "dtype": dtype_name(self.dtype),
             "device": str(self.device),
             "drafter": self.drafter_name,
+            "runner": "cuda-graphs" if self.graphs else "eager",
         }
 
-    def engines(self) -> tuple[SpecEngine, SpecEngine]:
-        """(stock AR engine, speculative engine) over the same target weights."""
+    @property
+    def graphs(self) -> bool:
+        g = self.build.graphs
+        return self.device.type == "cuda" if g is None else g
+
+    def engines(self) -> tuple[Engine, Engine]:
+        """(stock AR engine, speculative engine) over the same target weights and runner."""
         return self.build.stock_engine(), self.build.engine()
 
     @property
@@ -122,9 +143,16 @@ class Deployment:
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The engine config: ``--engine FILE`` if given, else one made from the flags."""
+    sim = getattr(args, "simulate_acceptance", None)
     if getattr(args, "engine", None) is not None:
-        return EngineConfig.load(args.engine)
-    k = args.k if args.k is not None else (4 if args.drafter == "draft-model" else 8)
+        config = EngineConfig.load(args.engine)
+        if sim is not None:  # the flag wins over the file's profile
+            dep = dataclasses.replace(config.deployment, simulate_acceptance=sim)
+            config = dataclasses.replace(config, deployment=dep, k=_sim_k(sim, config.k))
+        return config
+    k = args.k if args.k is not None else DEFAULT_K.get(args.drafter, 8)
+    if sim is not None:
+        k = _sim_k(sim, args.k)
     knobs = {"max_n": args.ngram_max, "min_n": args.ngram_min} if args.drafter == "ngram" else {}
     dep = DeploymentSpec(
         target=args.target,
@@ -133,14 +161,35 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         device=args.device,
         mode=getattr(args, "mode", None) or "single",
+        simulate_acceptance=sim,
     )
     return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
+
+
+DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15}
+"""Tokens drafted per cycle when ``-k`` is not given (block: DFlash's block of 16)."""
+
+
+def _sim_k(profile: str, k: int | None) -> int:
+    """The draft length a simulated-acceptance profile implies (``-k`` must agree with it)."""
+    from specpilot.drafters.simulated import AcceptanceProfile
+
+    try:
+        pk = AcceptanceProfile.parse(profile).k
+    except ValueError as e:
+        raise SpecPilotError(f"--simulate-acceptance: {e}") from None
+    if k is not None and k != pk:
+        raise SpecPilotError(
+            f"--simulate-acceptance '{profile}' drafts {pk} tokens per cycle but -k is {k}; "
+            f"drop -k or give block={k + 1}."
+        )
+    return pk
 
 
 def build_deployment(args: argparse.Namespace) -> Deployment:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = config_from_args(args)
-    build = build_engine(config, args.max_context)
+    build = build_engine(config, args.max_context, graphs=getattr(args, "graphs", None))
     dep = config.deployment
     return Deployment(build=build, dtype=parse_dtype(dep.dtype), device=parse_device(dep.device))
