@@ -1,17 +1,22 @@
-"""Side-by-side runs of our stock AR path and the speculative engine on the same prompts."""
+"""Engines side by side on the same prompts: one generation, a warm-up, interleaved rounds,
+records and token forcing. What ``generate``, ``bench`` and ``compare`` share."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from specpilot.bench.protocol import Measurement, Sample, interleave, timed
 from specpilot.bench.records import RunRecord, make_record
 from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.models.transformer import Transformer
+
+Encoded = Sequence[tuple[str, list[int]]]
+"""(prompt id, token ids) of a prompt set."""
 
 
 def synchronize(device: torch.device) -> None:
@@ -35,78 +40,82 @@ def timed_generate(
     return result, time.perf_counter() - t0
 
 
-def warm_up(
-    engines: Sequence[Engine], prompt_ids: Sequence[int], eos_ids: Sequence[int]
-) -> None:
-    """Keep allocation, kernel selection and first-call costs out of the timings."""
-    for e in engines:
-        generate(e, [prompt_ids], 8, eos_ids)
-
-
 @dataclass(slots=True)
-class BenchSummary:
-    ar_tokens: int = 0
-    ar_seconds: float = 0.0
-    spec_tokens: int = 0
-    spec_seconds: float = 0.0
-    identical: int = 0
-    """Prompts whose speculative tokens equal the AR tokens exactly."""
-    prompts: int = 0
-    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    forcing: ForcingReport | None = None
+class PromptRun:
+    """One prompt's generation by one engine in one round."""
 
-    @property
-    def ar_tok_s(self) -> float:
-        return self.ar_tokens / self.ar_seconds if self.ar_seconds else 0.0
-
-    @property
-    def spec_tok_s(self) -> float:
-        return self.spec_tokens / self.spec_seconds if self.spec_seconds else 0.0
-
-    @property
-    def speedup(self) -> float:
-        return self.spec_tok_s / self.ar_tok_s if self.ar_tok_s else 0.0
-
-    def add(self, ar: RunRecord, spec: RunRecord, stats: AcceptanceStats) -> None:
-        self.prompts += 1
-        self.ar_tokens += len(ar.tokens)
-        self.ar_seconds += ar.seconds
-        self.spec_tokens += len(spec.tokens)
-        self.spec_seconds += spec.seconds
-        self.identical += int(ar.tokens == spec.tokens)
-        self.stats.merge(stats)
+    id: str
+    prompt_ids: list[int]
+    result: GenerationResult
+    seconds: float
 
 
-def run_pair(
-    ar_engine: Engine,
-    spec_engine: Engine,
-    prompt_id: str,
-    prompt_ids: list[int],
+def run_prompts(
+    engine: Engine,
+    encoded: Encoded,
     max_new_tokens: int,
     eos_ids: Sequence[int],
-    meta: dict[str, str],
-) -> tuple[RunRecord, RunRecord, AcceptanceStats]:
-    """AR then speculative on one prompt; two records (``meta``: target, dtype, device, drafter)."""
-    records = []
-    stats = AcceptanceStats()
-    for name, engine in (("ar", ar_engine), ("spec", spec_engine)):
-        result, seconds = timed_generate(engine, prompt_ids, max_new_tokens, eos_ids)
+    on_prompt: Callable[[], None] | None = None,
+) -> Sample:
+    """Every prompt once, one request at a time; the payload is the list of :class:`PromptRun`."""
+
+    def run() -> tuple[int, list[PromptRun]]:
+        out = []
+        for pid, ids in encoded:
+            res, secs = timed_generate(engine, ids, max_new_tokens, eos_ids)
+            out.append(PromptRun(pid, list(ids), res, secs))
+            if on_prompt is not None:
+                on_prompt()
+        return sum(len(r.result.tokens) for r in out), out
+
+    return timed(engine.target.device, run)
+
+
+def warm_up(
+    engines: Sequence[Engine], encoded: Encoded, max_new_tokens: int, eos_ids: Sequence[int]
+) -> None:
+    """Keep graph capture, autotune and allocation out of every timed region: on CUDA graphs
+    the whole workload once (every graph it needs is captured), eagerly a short run."""
+    for e in engines:
+        if e.runner.use_graphs:
+            run_prompts(e, encoded, max_new_tokens, eos_ids)
+        else:
+            generate(e, [encoded[0][1][-16:]], 8, eos_ids)
+
+
+def side_by_side(
+    engines: Mapping[str, Engine],
+    encoded: Encoded,
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    rounds: int = 3,
+    deadline: float | None = None,
+    on_round: Callable[[int, dict[str, Sample]], None] | None = None,
+) -> Measurement:
+    """Warm every engine up, then run the prompt set with each, interleaved in ``rounds``."""
+    warm_up(list(engines.values()), encoded, max_new_tokens, eos_ids)
+    arms = {
+        name: (lambda e=e: run_prompts(e, encoded, max_new_tokens, eos_ids))
+        for name, e in engines.items()
+    }
+    return interleave(arms, rounds, warmup=0, deadline=deadline, on_round=on_round)
+
+
+def records_of(
+    sample: Sample, kind: str, meta: dict[str, str], k: int = 0
+) -> tuple[list[RunRecord], AcceptanceStats]:
+    """Run records of one sample (``kind``: ``ar``/``spec``) and its merged acceptance stats."""
+    records, stats = [], AcceptanceStats()
+    for run in sample.payload:
+        r = run.result
         records.append(
             make_record(
-                prompt_id,
-                name,
-                meta,
-                list(prompt_ids),
-                result.tokens,
-                result.stop_reason,
-                seconds,
-                k=engine.k,
-                stats=result.stats.to_dict(),
-            )
+                run.id, kind, meta, run.prompt_ids, r.tokens, r.stop_reason, run.seconds,
+                k=k, stats=r.stats.to_dict(),
+            )  # fmt: skip
         )
-        if name == "spec":
-            stats = result.stats
-    return records[0], records[1], stats
+        stats.merge(r.stats)
+    return records, stats
 
 
 def force_records(

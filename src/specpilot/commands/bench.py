@@ -8,17 +8,22 @@ import time
 from pathlib import Path
 
 from specpilot.bench.prompts import list_prompt_sets, load_prompt_set
-from specpilot.bench.records import RunRecord, append_records, read_records
-from specpilot.bench.runner import BenchSummary, force_records, run_pair, warm_up
+from specpilot.bench.protocol import Measurement, Sample
+from specpilot.bench.records import append_records, read_records
+from specpilot.bench.runner import force_records, records_of, side_by_side
 from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.engine import AcceptanceStats
+from specpilot.errors import SpecPilotError
+from specpilot.forcing import ForcingReport
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="AR vs speculative on a prompt set, with token forcing",
-        description="Run our stock AR path and the speculative engine on each prompt of a set, in one "
-        "process, and report tok/s, speedup, mean accepted length and the token-forcing verdict.",
+        description="Run our stock AR path and the speculative engine on a prompt set in one "
+        "process, warmed up and interleaved in repeated rounds, and report tok/s, the speedup "
+        "with its spread, mean accepted length and the token-forcing verdict.",
     )
     p.add_argument(
         "--prompts",
@@ -35,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--hf",
         action="store_true",
         help="also time HF transformers generate (greedy) on the same prompts",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of AR and speculative after a warm-up; the speedup is their "
+        "median, shown with its spread (default: %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     b = p.add_argument_group("batched mode (continuous batching, docs/SERVE.md)")
@@ -74,20 +86,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
+    import sys
 
     if args.mode == "batched":
         from specpilot.commands.bench_batched import run_batched
 
         return run_batched(args)
-    console = Console(stderr=True)
+    if args.rounds < 1:
+        raise SpecPilotError(f"--rounds must be at least 1, got {args.rounds}.")
     dep = build_deployment(args)
     tok = dep.target.tokenizer
     assert tok is not None
@@ -96,83 +102,91 @@ def run(args: argparse.Namespace) -> int:
     done: set[str] = set()
     if args.resume and out.is_file():
         done = {r.id for r in read_records(out) if r.engine == "spec"}
-    ar_engine, spec_engine = dep.engines()
     encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
+    encoded = [(pid, ids) for pid, ids in encoded if pid not in done]
+    if not encoded:
+        print(f"every prompt of {args.prompts} is already in {out}; nothing to run")
+        return 0
+    ar_engine, spec_engine = dep.engines()
     for _, ids in encoded:
-        ar_engine.check_fits(len(ids), args.max_new_tokens)
-    warm_up([ar_engine, spec_engine], encoded[0][1][-16:], dep.eos_ids)
+        spec_engine.check_fits(len(ids), args.max_new_tokens)
+    meta = dep.meta()
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say(
+        f"bench {args.prompts}: {len(encoded)} prompts, AR and {dep.drafter_name} on "
+        f"{meta['device']} ({meta['runner']}), warm-up then {args.rounds} interleaved rounds"
+    )
 
-    summary = BenchSummary()
-    spec_records: list[RunRecord] = []
-    hf_tokens, hf_seconds = 0, 0.0
-    hf = None
+    def on_round(r: int, got: dict[str, Sample]) -> None:
+        a, s_ = got["ar"].tok_s, got["spec"].tok_s
+        say(f"  round {r + 1}/{args.rounds}: AR {a:.1f} tok/s, spec {s_:.1f} tok/s ({s_ / a:.2f}x)")
+
+    m = side_by_side(
+        {"ar": ar_engine, "spec": spec_engine},
+        encoded,
+        args.max_new_tokens,
+        dep.eos_ids,
+        rounds=args.rounds,
+        on_round=on_round,
+    )
+    ar_records, _ = records_of(m.last("ar"), "ar", meta)
+    spec_records, stats = records_of(m.last("spec"), "spec", meta, k=spec_engine.k)
+    batch = [*ar_records, *spec_records]
+    hf_tok_s = None
     if args.hf:
         from specpilot.bench.hf_baseline import HFBaseline
 
+        say("HF transformers generate (one run, not interleaved) ...")
         hf = HFBaseline(args.target, dep.dtype, dep.device)
         hf.generate(encoded[0][1][-16:], 8, dep.eos_ids)  # warm-up
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task(f"bench {args.prompts}", total=len(encoded))
-        for pid, ids in encoded:
-            if pid in done:
-                progress.advance(task)
-                continue
-            ar, spec, stats = run_pair(
-                ar_engine, spec_engine, pid, ids, args.max_new_tokens, dep.eos_ids, dep.meta()
-            )
-            batch = [ar, spec]
-            if hf is not None:
-                hf_rec = hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, dep.meta())
-                hf_tokens += len(hf_rec.tokens)
-                hf_seconds += hf_rec.seconds
-                batch.append(hf_rec)
-            append_records(out, batch)
-            summary.add(ar, spec, stats)
-            spec_records.append(spec)
-            progress.advance(task)
-        ftask = progress.add_task("token forcing", total=len(spec_records))
-        summary.forcing = force_records(
-            dep.target.model, spec_records, lambda: progress.advance(ftask)
-        )
-
-    result = summary_dict(summary, dep.meta(), args, out)
-    if hf is not None and hf_seconds:
-        result["hf_tok_s"] = hf_tokens / hf_seconds
-        result["ar_over_hf"] = summary.ar_tok_s / result["hf_tok_s"]
+        hf_records = [hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, meta) for pid, ids in encoded]
+        hf_tok_s = sum(len(r.tokens) for r in hf_records) / sum(r.seconds for r in hf_records)
+        batch += hf_records
+    append_records(out, batch)
+    say(f"token forcing {len(spec_records)} speculative outputs ...")
+    forcing = force_records(dep.target.model, spec_records)
+    identical = sum(a.tokens == b.tokens for a, b in zip(ar_records, spec_records, strict=True))
+    result = summary_dict(m, stats, forcing, identical, meta, args, out, len(encoded))
+    if hf_tok_s is not None:
+        result["hf_tok_s"] = hf_tok_s
+        result["ar_over_hf"] = result["ar_tok_s"] / hf_tok_s
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_summary(result)
-    assert summary.forcing is not None
-    return 0 if summary.forcing.ok else 1
+    return 0 if forcing.ok else 1
 
 
 def summary_dict(
-    s: BenchSummary, meta: dict[str, str], args: argparse.Namespace, out: Path
+    m: Measurement,
+    stats: AcceptanceStats,
+    forcing: ForcingReport,
+    identical: int,
+    meta: dict[str, str],
+    args: argparse.Namespace,
+    out: Path,
+    prompts: int,
 ) -> dict:
-    assert s.forcing is not None
+    ratio = m.ratio("spec", "ar")
     return {
         **meta,
         "prompt_set": args.prompts,
-        "prompts": s.prompts,
+        "prompts": prompts,
         "max_new_tokens": args.max_new_tokens,
-        "ar_tok_s": s.ar_tok_s,
-        "spec_tok_s": s.spec_tok_s,
-        "speedup": s.speedup,
-        "identical_to_ar": f"{s.identical}/{s.prompts}",
-        "acceptance": s.stats.to_dict(),
+        "rounds": len(ratio.values),
+        "ar_tok_s": m.tok_s("ar"),
+        "spec_tok_s": m.tok_s("spec"),
+        "speedup": ratio.median,
+        "speedup_spread": ratio.to_dict(),
+        "verdict": ratio.verdict(),
+        "identical_to_ar": f"{identical}/{prompts}",
+        "acceptance": stats.to_dict(),
         "forcing": {
-            "ok": s.forcing.ok,
-            "matches": s.forcing.matches,
-            "near_ties": s.forcing.near_ties,
-            "mismatches": s.forcing.mismatches,
-            "summary": s.forcing.summary(),
+            "ok": forcing.ok,
+            "matches": forcing.matches,
+            "near_ties": forcing.near_ties,
+            "mismatches": forcing.mismatches,
+            "summary": forcing.summary(),
         },
         "records": str(out),
     }
@@ -194,8 +208,21 @@ def print_summary(r: dict) -> None:
             f"{r['hf_tok_s'] / r['ar_tok_s']:.2f}×",
         )
     table.add_row("our AR (stock path)", f"{r['ar_tok_s']:.1f}", "1.00×")
-    table.add_row(f"speculative {r['drafter']}", f"{r['spec_tok_s']:.1f}", f"{r['speedup']:.2f}×")
+    sp = r["speedup_spread"]
+    spread = f" ({sp['lo']:.2f}–{sp['hi']:.2f})" if r["rounds"] > 1 else ""
+    table.add_row(
+        f"speculative {r['drafter']}", f"{r['spec_tok_s']:.1f}", f"{r['speedup']:.2f}×{spread}"
+    )
     console.print(table)
+    verdict = {
+        "faster": "faster than AR (every round)",
+        "slower": "SLOWER than AR (every round)",
+        "within noise": "within the noise of AR: no verdict",
+        "undecided": "too few rounds for a verdict (use --rounds 3 or more)",
+    }[r["verdict"]]
+    console.print(
+        f"{r['rounds']} interleaved rounds after a warm-up (median, lowest–highest round): {verdict}"
+    )
     acc = r["acceptance"]
     console.print(
         f"mean accepted length τ = {acc['mean_accepted_len_incl_bonus']:.2f} tokens per verify (bonus included), "

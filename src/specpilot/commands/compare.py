@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 
 from specpilot.bench.prompts import load_prompt_set
-from specpilot.bench.records import RunRecord, append_records, make_record
-from specpilot.bench.runner import force_records, timed_generate, warm_up
+from specpilot.bench.protocol import Ratio
+from specpilot.bench.records import append_records
+from specpilot.bench.runner import force_records, records_of, side_by_side
+from specpilot.drafters.simulated import SIM_LABEL
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
 from specpilot.errors import SpecPilotError
@@ -51,14 +53,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="prompts compared after the skip (default: %(default)s)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the three engines after a warm-up (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-graphs",
+        dest="graphs",
+        action="store_false",
+        default=None,
+        help="run every step eagerly on CUDA (default: CUDA graphs on CUDA)",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
     p.add_argument("--out", type=Path, default=None, help="append JSONL run records")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def stock_of(tuned: EngineConfig) -> EngineConfig:
-    """What the stock engine of a deployment is: the same drafter at its defaults, no mechanism."""
-    k = 4 if tuned.deployment.drafter == "draft-model" else 8
+    """What the stock engine of a deployment is: the same drafter at its defaults, no mechanism
+    (under simulated acceptance the profile's draft length stays)."""
+    from specpilot.commands.common import DEFAULT_K
+
+    k = DEFAULT_K.get(tuned.deployment.drafter, 8)
+    if tuned.deployment.simulate_acceptance is not None:
+        k = tuned.k
     knobs: dict[str, int] = {"max_n": 3, "min_n": 1} if tuned.deployment.drafter == "ngram" else {}
     if "exit_layers" in tuned.drafter_knobs:  # the early-exit draft model keeps its depth
         knobs["exit_layers"] = int(tuned.drafter_knobs["exit_layers"])
@@ -68,10 +88,14 @@ def stock_of(tuned: EngineConfig) -> EngineConfig:
 def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
     """``target``: the stock target already loaded by the caller (``tune``), to save a reload;
     it must be the unmodified model of the configs' deployment."""
+    import time
+
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.rounds < 1:
+        raise SpecPilotError(f"--rounds must be at least 1, got {args.rounds}.")
     tuned_cfg = EngineConfig.load(args.engine)
     stock_cfg = EngineConfig.load(args.stock) if args.stock else stock_of(tuned_cfg)
     if stock_cfg.deployment.target != tuned_cfg.deployment.target:
@@ -83,11 +107,16 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
         raise SpecPilotError(
             f"No prompts left after skipping {args.skip}; lower --skip or pick another set."
         )
-    stock_build = build_engine(stock_cfg, target=None if stock_cfg.mechanisms else target)
+    graphs = getattr(args, "graphs", None)
+    stock_build = build_engine(
+        stock_cfg, target=None if stock_cfg.mechanisms else target, graphs=graphs
+    )
     target = stock_build.target
     tok = target.tokenizer
     assert tok is not None
-    tuned_build = build_engine(tuned_cfg, target=None if tuned_cfg.mechanisms else target)
+    tuned_build = build_engine(
+        tuned_cfg, target=None if tuned_cfg.mechanisms else target, graphs=graphs
+    )
     eos = tok.eos_token_ids
     engines = {
         "ar": stock_build.stock_engine(),
@@ -95,51 +124,74 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
         "tuned": tuned_build.engine(),
     }
     encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
-    warm_up(list(engines.values()), encoded[0][1][-16:], eos)
+    for _, ids in encoded:
+        engines["tuned"].check_fits(len(ids), args.max_new_tokens)
+    device = parse_device(tuned_cfg.deployment.device)
     meta = {
         "target": tuned_cfg.deployment.target,
         "dtype": dtype_name(target.model.dtype),
-        "device": str(parse_device(tuned_cfg.deployment.device)),
-        "drafter": tuned_cfg.deployment.drafter,
+        "device": str(device),
+        "drafter": tuned_build.label,
     }
-    totals: dict[str, list[float]] = {name: [0, 0.0] for name in engines}
-    records: dict[str, list[RunRecord]] = {name: [] for name in engines}
-    for pid, ids in encoded:
-        for name, engine in engines.items():
-            res, secs = timed_generate(engine, ids, args.max_new_tokens, eos)
-            kind = "ar" if name == "ar" else "spec"
-            rec = make_record(pid, kind, meta, ids, res.tokens, res.stop_reason, secs, k=engine.k)
-            records[name].append(rec)
-            totals[name][0] += len(res.tokens)
-            totals[name][1] += secs
+    budget = getattr(args, "budget_s", None)
+    deadline = None if budget is None else time.perf_counter() + budget
+    m = side_by_side(
+        engines, encoded, args.max_new_tokens, eos, rounds=args.rounds, deadline=deadline
+    )
+    rounds = len(m.samples["ar"])
+    records = {
+        name: records_of(m.last(name), "ar" if name == "ar" else "spec", meta, k=engines[name].k)[0]
+        for name in engines
+    }
     if args.out:
         append_records(args.out, [r for rs in records.values() for r in rs])
-    tok_s = {name: totals[name][0] / totals[name][1] for name in engines}
     reports = {name: force_records(stock_build.target.model, records[name]) for name in engines}
     ok = all(r.ok for r in reports.values())
+    ratios = {name: m.ratio(name, "ar") for name in engines}
+    tuned_vs_stock = m.ratio("tuned", "stock")
     summary = {
         name: {
-            "tok_s": tok_s[name],
-            "vs_ar": tok_s[name] / tok_s["ar"],
+            "tok_s": m.tok_s(name),
+            "vs_ar": ratios[name].to_dict(),
             "forcing": reports[name].summary(),
             "forcing_ok": reports[name].ok,
         }
         for name in engines
     }
-    tuned_vs_stock = tok_s["tuned"] / tok_s["stock"]
     if args.json:
         print(
             json.dumps(
-                {"prompts": len(encoded), "tuned_vs_stock": tuned_vs_stock, **summary}, indent=2
+                {
+                    "prompts": len(encoded),
+                    "rounds": rounds,
+                    "simulated_acceptance": tuned_build.simulated,
+                    "tuned_vs_stock": tuned_vs_stock.to_dict(),
+                    **summary,
+                },
+                indent=2,
             )
         )
-    else:
+        return 0 if ok else 1
+    cut = f" (cut to {rounds} by the time budget)" if rounds < args.rounds else ""
+    print(
+        f"compare on {len(encoded)} held-out prompts of {args.prompts} ({meta['target']}, "
+        f"{meta['dtype']}, {meta['device']}): {rounds} interleaved rounds after a warm-up{cut}"
+    )
+    if tuned_build.simulated:
+        print(f"  ({SIM_LABEL}: {tuned_cfg.deployment.simulate_acceptance})")
+    for name in engines:
         print(
-            f"compare on {len(encoded)} held-out prompts of {args.prompts} ({meta['target']}, {meta['dtype']}, {meta['device']})"
+            f"  {name:<6} {m.tok_s(name):8.1f} tok/s  {ratios[name].text():>18} AR   "
+            f"{reports[name].summary()}"
         )
-        for name in engines:
-            print(
-                f"  {name:<6} {tok_s[name]:8.1f} tok/s  {tok_s[name] / tok_s['ar']:.2f}x AR   {reports[name].summary()}"
-            )
-        print(f"  tuned over stock speculative: {tuned_vs_stock:.2f}x")
+    print(f"  tuned over stock speculative: {tuned_vs_stock.text()} — {_say(tuned_vs_stock)}")
     return 0 if ok else 1
+
+
+def _say(r: Ratio) -> str:
+    return {
+        "faster": "faster in every round",
+        "slower": "slower in every round",
+        "within noise": "within the noise: no verdict",
+        "undecided": "too few rounds for a verdict",
+    }[r.verdict()]

@@ -76,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     assert tok is not None
     prompt_ids = _prompt_ids(args, tok)
     ar_engine, spec_engine = dep.engines()
-    ar_engine.check_fits(len(prompt_ids), args.max_new_tokens)
+    spec_engine.check_fits(len(prompt_ids), args.max_new_tokens)
     warm_up(
         [spec_engine] if args.no_baseline else [ar_engine, spec_engine],
-        prompt_ids[-16:],
+        [("prompt", prompt_ids)],
+        args.max_new_tokens,
         dep.eos_ids,
     )
 
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         line = f"{len(spec.tokens)} tokens at {spec.tok_s:.1f} tok/s with {dep.drafter_name}, τ = {spec_res.stats.mean_accepted_len:.2f} (incl. bonus)"
         if "speedup" in out:
-            line += f"; AR {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}×"
+            line += f"; AR {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}× (one run each)"
             line += (
                 ", output identical to AR" if out["identical_to_ar"] else ", output DIFFERS from AR"
             )

@@ -81,7 +81,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--min-gain",
         type=float,
         default=0.02,
-        help="winner margin over the best (default: %(default)s)",
+        help="a winner must beat the best by more than both measured spreads and by this "
+        "fraction (default: %(default)s)",
+    )
+    p.add_argument(
+        "--measure-rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of AR and each candidate per trial, after a warm-up; a "
+        "speedup is their median with its spread (default: %(default)s)",
     )
     p.add_argument(
         "--executor", choices=["local", "ray"], default="local", help="(default: %(default)s)"
@@ -155,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.measure_rounds < 1:
+        raise SpecPilotError(f"--measure-rounds must be at least 1, got {args.measure_rounds}.")
     base = config_from_args(args)
     if args.mode is not None and args.mode != base.deployment.mode:
         base = dataclasses.replace(
@@ -181,17 +191,27 @@ def run(args: argparse.Namespace) -> int:
         f"{len(prompts)} prompts; loading and measuring {what} ...",
         flush=True,
     )
+    graphs, rounds = args.graphs, args.measure_rounds
     if args.executor == "ray":
         try:
             executor = RayExecutor(
-                base, prompts, args.max_new_tokens, args.ray_address, args.workers, stream
+                base,
+                prompts,
+                args.max_new_tokens,
+                args.ray_address,
+                args.workers,
+                stream,
+                graphs,
+                rounds,
             )
         except ImportError:
             raise SpecPilotError(
                 "--executor ray needs Ray: pip install 'specpilot[tune]'."
             ) from None
     else:
-        executor = LocalExecutor(base, prompts, args.max_new_tokens, stream)
+        executor = LocalExecutor(
+            base, prompts, args.max_new_tokens, stream, graphs, rounds, width=args.trials
+        )
     arch, num_layers = "llama", None
     if isinstance(executor, LocalExecutor):
         arch = executor.evaluator.stock.model.cfg.arch
@@ -205,12 +225,12 @@ def run(args: argparse.Namespace) -> int:
         f"{'batched AR' if batched else 'stock AR'} {executor.ar_tok_s:.1f} tok/s",
         flush=True,
     )
-    notes = batched_notes(base, stream, device.type, arch) if stream is not None else []
+    notes = scope_notes(base, stream, device.type, arch, rounds, graphs)
     for line in notes:
         print(line)
     gap_order: tuple[str, ...] = STATIC_GAP_ORDER
     compare_limit = 0 if batched else args.compare_limit  # compare runs one request at a time
-    reserve = compare_reserve_s(compare_limit, args.max_new_tokens, executor.ar_tok_s)
+    reserve = compare_reserve_s(compare_limit, args.max_new_tokens, executor.ar_tok_s, rounds)
     left = args.budget - (time.perf_counter() - started) - reserve
     if batched and args.rank_gaps == "profile":
         print("gaps ranked in the static order (the cost-model profile runs one request at a time)")
@@ -257,10 +277,14 @@ def run(args: argparse.Namespace) -> int:
     outcome.best.config.save(tuned)
     base.save(stock)
     report = write_report(outcome, label, device.type, args.out, tuned, notes)
+    from specpilot.tune.report import verdict_lines
+
     print(
-        f"tuned: {outcome.best.tok_s:.1f} tok/s, {outcome.best.speedup:.2f}x AR "
-        f"({outcome.best.tok_s / outcome.stock.tok_s:.2f}x the stock speculative engine)"
+        f"tuned: {outcome.best.tok_s:.1f} tok/s, {outcome.best.spread_text()} AR; "
+        f"stock speculative {outcome.stock.spread_text()} AR"
     )
+    for line in verdict_lines(outcome):
+        print(f"  {line}")
     print(f"engine config: {tuned}\nreport: {report}")
     for r in outcome.reused:
         print(f"reused from memory: {r}")
@@ -289,6 +313,9 @@ def run(args: argparse.Namespace) -> int:
         skip=args.limit,
         limit=args.compare_limit,
         max_new_tokens=args.max_new_tokens,
+        rounds=rounds,
+        graphs=graphs,
+        budget_s=max(args.budget - (time.perf_counter() - started) - 10.0, 1.0),
         threads=None,
         out=args.out / "compare.jsonl",
         json=False,
@@ -299,28 +326,51 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def batched_notes(base: EngineConfig, stream: BatchedStream, device: str, arch: str) -> list[str]:
-    """What a batched tune measures, and the mechanisms it cannot measure (for log and report)."""
+def scope_notes(
+    base: EngineConfig,
+    stream: BatchedStream | None,
+    device: str,
+    arch: str,
+    rounds: int,
+    graphs: bool | None = None,
+) -> list[str]:
+    """What this tune measures, and the registered mechanisms it does not search (with why)."""
+    from specpilot.drafters.simulated import SIM_LABEL
     from specpilot.tune.space import skipped_mechanisms
 
+    runner = "CUDA graphs" if device == "cuda" and graphs is not False else "eager"
     lines = [
-        f"Mode: batched. Every candidate serves the same {stream.size} requests (tuning prompts "
-        f"cycled, all arriving at once) through the continuous-batching scheduler at concurrency "
-        f"{stream.concurrency}; tok/s = tokens of all requests over first arrival to last finish, "
-        "speedup = over batched AR on the same stream in the same process; every request's "
-        "output is token-forced."
+        f"Measured on the engine the commands serve with ({runner}): each trial warms up, then "
+        f"runs AR and the candidate(s) in {rounds} interleaved rounds in this process; a "
+        "speedup is the median round with its spread; winners must beat the best by more than "
+        "both spreads; a speedup above the cost model's bound is an anomaly, never a winner."
     ]
-    lines += [f"skipped: {s}" for s in skipped_mechanisms(base, device, arch)]
+    if stream is not None:
+        lines.append(
+            f"Mode: batched. Every candidate serves the same {stream.size} requests (tuning "
+            f"prompts cycled, all arriving at once) through the continuous-batching scheduler at "
+            f"concurrency {stream.concurrency}; tok/s = tokens of all requests over first arrival "
+            "to last finish, speedup = over batched AR on the same stream; every request's "
+            "output is token-forced."
+        )
+    if base.deployment.simulate_acceptance is not None:
+        lines.append(
+            f"{SIM_LABEL.capitalize()} ({base.deployment.simulate_acceptance}): the drafter runs "
+            "for real, its proposals follow the profile, verification is real; the draft length "
+            "and the drafter's knobs are fixed by the profile, so only mechanisms are searched."
+        )
+    lines += [f"not searched: {s}" for s in skipped_mechanisms(base, device, arch)]
     return lines
 
 
-def compare_reserve_s(prompts: int, max_new_tokens: int, ar_tok_s: float) -> float:
-    """Seconds to keep for the final compare: AR, stock and tuned generation of every held-out
-    prompt (speculative counted at AR speed, to be safe), token forcing, and building the engines
-    (the loaded target is reused)."""
+def compare_reserve_s(prompts: int, max_new_tokens: int, ar_tok_s: float, rounds: int) -> float:
+    """Seconds to keep for the final compare: ``rounds`` interleaved rounds of AR, stock and
+    tuned over every held-out prompt (speculative counted at AR speed, to be safe), token
+    forcing (about one more pass), and building the engines (the loaded target is reused). The
+    compare itself stops starting rounds when its time is up, and says so."""
     if prompts <= 0:
         return 0.0
-    return 3.5 * prompts * max_new_tokens / max(ar_tok_s, 1e-6) + 10.0
+    return (3 * rounds + 1) * prompts * max_new_tokens / max(ar_tok_s, 1e-6) + 10.0
 
 
 def profiled_gap_order(

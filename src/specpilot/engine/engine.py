@@ -101,6 +101,17 @@ class Engine:
         """Longest prompt + new tokens a row can hold (its slots less the margin)."""
         return self.slots - self.context_margin()
 
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """One clear error, before any slow work, for a request this engine cannot hold."""
+        if prompt_len == 0:
+            raise PromptTooLongError("The prompt is empty; give at least one token.")
+        if prompt_len + max_new_tokens > self.max_context:
+            raise PromptTooLongError(
+                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
+                f"model's context of {self.max_context} for this engine; shorten the prompt or "
+                "lower --max-new-tokens."
+            )
+
     @property
     def capacity(self) -> int:
         return 0 if self.cache is None else self.cache.max_seq_len
@@ -209,7 +220,6 @@ class Engine:
         self.host = HostRows.idle(batch)
         if self.plan is not None:
             self.plan.bind(self)
-        self.times = CycleTimes()
 
     def _allocate(self, batch: int, capacity: int) -> None:
         self.runner.reset()

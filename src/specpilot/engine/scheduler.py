@@ -215,15 +215,9 @@ def generate(
         raise ValueError("max_new_tokens must be at least 1")
     if not prompts:
         return []
+    for p in prompts:
+        engine.check_fits(len(p), max_new_tokens)
     need = max(len(p) for p in prompts) + max_new_tokens
-    if any(len(p) == 0 for p in prompts):
-        raise PromptTooLongError("The prompt is empty; give at least one token.")
-    if need > engine.max_context:
-        raise PromptTooLongError(
-            f"A prompt of {max(len(p) for p in prompts)} tokens plus {max_new_tokens} new tokens "
-            f"exceeds the model's context of {engine.max_context} for this engine; shorten the "
-            "prompt or lower --max-new-tokens."
-        )
     sched = Scheduler(engine, slots=len(prompts), max_context=need)
     stop = frozenset(eos_ids)
     for i, p in enumerate(prompts):

@@ -1,8 +1,19 @@
-"""Evaluate one candidate engine: speed on the tuning prompts, and the token-forcing gate.
+"""Evaluate candidate engines: speed against plain AR measured interleaved in one process, a
+cost-model sanity bound, and the token-forcing gate.
 
-The stock target (no mechanism) is loaded once per evaluator and is both the AR baseline and the
+The stock target (no mechanism) is loaded once per evaluator; it runs the AR baseline and is the
 reference for token forcing. A candidate that enables mechanisms gets a freshly loaded target,
-since mechanisms modify the model they are applied to.
+since mechanisms modify the model they are applied to. Candidates are built through the same
+composition root as every command (``engine/build.py``), so what is measured is what serves:
+on CUDA the engine on CUDA graphs, eager on the CPU.
+
+Measurement (``bench/protocol.py``): every arm — the AR baseline and each candidate of a chunk —
+is warmed up (on CUDA graphs the whole workload once, so that every graph is captured before the
+clock starts; eagerly a short run), then the arms run the workload in ``rounds`` interleaved
+rounds. A candidate's speedup is the median of its per-round ratios over AR, with their spread.
+A speedup that the cost model cannot explain — above ``τ · t_AR / t_forward`` (every cycle costs
+at least one target forward) by more than the noise — is measured again; if it persists the
+trial is an **anomaly**: reported, never a winner.
 """
 
 from __future__ import annotations
@@ -12,12 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpilot.bench.runner import synchronize, timed_generate, warm_up
-from specpilot.engine import AcceptanceStats, SpecEngine
+from specpilot.bench.protocol import Measurement, Ratio, Sample, interleave, speedup_bound, timed
+from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.runtime import LoadedModel, load_model, parse_device, parse_dtype
+
+ANOMALY_SLACK = 0.05
+"""Margin over the cost-model bound (AR's own per-step overhead) before a speedup is suspect."""
 
 
 @dataclass(slots=True)
@@ -25,7 +39,7 @@ class TrialResult:
     config: EngineConfig
     tok_s: float
     speedup: float
-    """Candidate tok/s over the stock AR tok/s measured by the same evaluator."""
+    """Median over rounds of candidate tok/s over AR tok/s, measured interleaved."""
     tau: float
     """Mean accepted length, bonus included."""
     acceptance: list[float]
@@ -35,14 +49,35 @@ class TrialResult:
     wall_seconds: float
     phase_seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    rounds: list[float] = field(default_factory=list)
+    """The speedup of every counted round (the spread is their range)."""
+    bound: float | None = None
+    """Most speedup the cost model allows this trial (τ · t_AR / t_forward)."""
+    anomaly: str | None = None
+    """Why the speedup could not be explained, when it could not: then it is never a winner."""
+
+    @property
+    def ratio(self) -> Ratio:
+        return Ratio(list(self.rounds) or [self.speedup])
+
+    @property
+    def eligible(self) -> bool:
+        """Passed token forcing, built and ran, and its speedup is explained by the cost model."""
+        return self.forcing_ok and self.error is None and self.anomaly is None
+
+    def spread_text(self) -> str:
+        return self.ratio.text()
 
     def metrics(self) -> dict[str, Any]:
         return {
             "tok_s": self.tok_s,
             "speedup": self.speedup,
+            "speedup_rounds": list(self.rounds),
             "tau": self.tau,
             "acceptance": self.acceptance,
             "phase_seconds": self.phase_seconds,
+            "bound": self.bound,
+            "anomaly": self.anomaly,
             "error": self.error,
         }
 
@@ -65,8 +100,17 @@ def forcing_summary(report: ForcingReport) -> dict[str, Any]:
     return forcing
 
 
+@dataclass(slots=True)
+class _Candidate:
+    config: EngineConfig
+    engine: Any  # what ``Evaluator.workload`` runs (an Engine, or a Scheduler in batched mode)
+    setup_s: float
+    """Seconds to build and warm it up."""
+    error: str | None = None
+
+
 class Evaluator:
-    """Holds the stock target and the tuning prompts; evaluates candidate configs one by one."""
+    """Holds the stock target, the tuning prompts and the AR baseline; evaluates candidates."""
 
     def __init__(
         self,
@@ -74,70 +118,149 @@ class Evaluator:
         prompts: Sequence[list[int]],
         max_new_tokens: int,
         max_context: int = 8192,
+        graphs: bool | None = None,
+        rounds: int = 3,
     ) -> None:
         dep = base.deployment
+        self.base = base
         self.dtype, self.device = parse_dtype(dep.dtype), parse_device(dep.device)
         self.max_context = max_context
+        self.graphs = graphs
+        self.rounds = rounds
         self.stock: LoadedModel = load_model(dep.target, self.dtype, self.device, max_context)
         self.prompts = [list(p) for p in prompts]
         self.max_new_tokens = max_new_tokens
         tok = self.stock.tokenizer
         self.eos_ids = tok.eos_token_ids if tok is not None else self.stock.model.cfg.eos_token_ids
-        self.ar_tok_s = self._measure_ar()
+        self.baseline = self.make_baseline()
+        self.warm(self.baseline)
+        self.ar_tok_s = self.workload(self.baseline).tok_s
+        self.t_ar_forward = self._forward_time(self.baseline)
 
-    def _measure_ar(self) -> float:
-        engine = SpecEngine(self.stock.model)
-        warm_up([engine], self.prompts[0][-16:], self.eos_ids)
-        tokens, seconds = 0, 0.0
-        for p in self.prompts:
-            res, s = timed_generate(engine, p, self.max_new_tokens, self.eos_ids)
-            tokens, seconds = tokens + len(res.tokens), seconds + s
-        return tokens / seconds
+    # ------------------------------------------------------------------ workload (single mode)
+    def make_baseline(self) -> Any:
+        return Engine(self.stock.model, graphs=self.graphs)
 
-    def evaluate(self, config: EngineConfig) -> TrialResult:
-        t0 = time.perf_counter()
+    def make_candidate(self, config: EngineConfig) -> Any:
         target = self.stock if not config.mechanisms else None
-        try:
-            build = build_engine(config, self.max_context, target=target)
-        except Exception as e:  # a candidate that cannot be built is a failed trial, not a crash
-            return self._failed(config, f"{type(e).__name__}: {e}", t0)
-        engine = build.engine()
-        engine.time_phases = True
-        warm_up([engine], self.prompts[0][-16:], self.eos_ids)
-        engine.times = type(engine.times)()
+        build = build_engine(config, self.max_context, target=target, graphs=self.graphs)
+        return build.engine(profile=True)
+
+    def workload(self, engine: Any) -> Sample:
+        """Every tuning prompt once, one request at a time; payload: (results, phase times)."""
+        eng: Engine = engine
+        eng.times = type(eng.times)()
+
+        def run() -> tuple[int, Any]:
+            out: list[GenerationResult] = []
+            for p in self.prompts:
+                out += generate(eng, [p], self.max_new_tokens, self.eos_ids)
+            return sum(len(r.tokens) for r in out), out
+
+        sample = timed(self.device, run)
+        sample.payload = (sample.payload, eng.times.to_dict())
+        return sample
+
+    def warm(self, engine: Any) -> None:
+        """Keep graph capture, autotune and allocation out of the timed rounds: on CUDA graphs
+        the whole workload once (every graph it needs gets captured), eagerly a short run."""
+        if self._runner(engine).use_graphs:
+            self.workload(engine)
+        else:
+            generate(self._engine(engine), [self.prompts[0][-16:]], 8, self.eos_ids)
+
+    def results(self, sample: Sample) -> list[tuple[str, list[int], list[int]]]:
+        """(id, prompt, committed tokens) of every sequence a sample produced, for forcing."""
+        out, _ = sample.payload
+        return [(str(i), r.prompt_ids, r.tokens) for i, r in enumerate(out)]
+
+    def stats(self, sample: Sample) -> tuple[AcceptanceStats, dict[str, float]]:
+        out, times = sample.payload
         stats = AcceptanceStats()
-        records, tokens, seconds = [], 0, 0.0
-        for i, p in enumerate(self.prompts):
-            res, s = timed_generate(engine, p, self.max_new_tokens, self.eos_ids)
-            stats.merge(res.stats)
-            tokens, seconds = tokens + len(res.tokens), seconds + s
-            records.append((str(i), p, res.tokens))
-        synchronize(self.device)
-        report = force_tokens(self.stock.model, records)
-        forcing = forcing_summary(report)
-        tok_s = tokens / seconds
-        wall = time.perf_counter() - t0
-        times = engine.times
+        for r in out:
+            stats.merge(r.stats)
+        return stats, times
+
+    @staticmethod
+    def _engine(engine: Any) -> Engine:
+        return engine if isinstance(engine, Engine) else engine.engine
+
+    def _runner(self, engine: Any) -> Any:
+        return self._engine(engine).runner
+
+    def _forward_time(self, engine: Any) -> float:
+        """Seconds of one width-1 target forward of ``engine`` (replayed like a cycle's step)."""
+        return self._engine(engine).time_forward(1, iters=10)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, config: EngineConfig) -> TrialResult:
+        return self.evaluate_many([config])[0]
+
+    def evaluate_many(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        """Build every candidate, warm each up, then measure them all interleaved with one AR
+        baseline arm (its rounds are shared by the chunk)."""
+        cands: list[_Candidate] = []
+        for c in configs:
+            t0 = time.perf_counter()
+            try:  # a candidate that cannot be built or run is a failed trial, not a crash
+                engine = self.make_candidate(c)
+                self.warm(engine)
+                cands.append(_Candidate(c, engine, time.perf_counter() - t0))
+            except Exception as e:
+                msg = f"{type(e).__name__}: {e}"
+                cands.append(_Candidate(c, None, time.perf_counter() - t0, msg))
+        live = {f"c{i}": cd for i, cd in enumerate(cands) if cd.error is None}
+        arms = {"ar": lambda: self.workload(self.baseline)}
+        arms |= {name: (lambda e=cd.engine: self.workload(e)) for name, cd in live.items()}
+        t0 = time.perf_counter()
+        m = interleave(arms, self.rounds, warmup=0) if live else Measurement()
+        share = (time.perf_counter() - t0) / max(len(live), 1)  # the AR rounds are shared
+        out = []
+        for i, cd in enumerate(cands):
+            if cd.error is not None:
+                out.append(self._failed(cd.config, cd.error, cd.setup_s))
+                continue
+            out.append(self._judge(cd, f"c{i}", m, share))
+        return out
+
+    def _judge(self, cd: _Candidate, name: str, m: Measurement, share: float) -> TrialResult:
+        ratio, sample = m.ratio(name, "ar"), m.last(name)
+        stats, times = self.stats(sample)
+        tau = stats.mean_accepted_len
+        bound = speedup_bound(tau, self.t_ar_forward, self._forward_time(cd.engine))
+        anomaly = None
+        if ratio.median > bound * (1 + ANOMALY_SLACK + 2 * ratio.noise):
+            again = interleave(
+                {"ar": lambda: self.workload(self.baseline), name: lambda: self.workload(cd.engine)},
+                self.rounds,
+                warmup=0,
+            )
+            ratio = again.ratio(name, "ar")
+            if ratio.median > bound * (1 + ANOMALY_SLACK + 2 * ratio.noise):
+                anomaly = (
+                    f"measured {ratio.text()} over AR twice, but the cost model allows at most "
+                    f"{bound:.2f}x at τ {tau:.2f} (τ · t_AR / t_forward); not a result"
+                )
+        t0 = time.perf_counter()
+        report = force_tokens(self.stock.model, self.results(sample))
+        wall = cd.setup_s + share + time.perf_counter() - t0
         return TrialResult(
-            config=config,
-            tok_s=tok_s,
-            speedup=tok_s / self.ar_tok_s,
-            tau=stats.mean_accepted_len,
+            config=cd.config,
+            tok_s=m.tok_s(name),
+            speedup=ratio.median,
+            tau=tau,
             acceptance=stats.acceptance_rates(),
             forcing_ok=report.ok,
-            forcing=forcing,
+            forcing=forcing_summary(report),
             device_seconds=wall if self.device.type == "cuda" else 0.0,
             wall_seconds=wall,
-            phase_seconds={
-                "draft": times.draft,
-                "verify": times.verify,
-                "commit": times.commit,
-                "prefill": times.prefill,
-            },
+            phase_seconds=dict(times),
+            rounds=list(ratio.values),
+            bound=bound,
+            anomaly=anomaly,
         )
 
-    def _failed(self, config: EngineConfig, message: str, t0: float) -> TrialResult:
-        wall = time.perf_counter() - t0
+    def _failed(self, config: EngineConfig, message: str, wall: float) -> TrialResult:
         return TrialResult(
             config=config,
             tok_s=0.0,

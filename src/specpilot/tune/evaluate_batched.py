@@ -1,19 +1,18 @@
-"""Evaluate one candidate in batched mode: a request stream served by the continuous-batching
-scheduler at a fixed concurrency, and the token-forcing gate on every request's output.
+"""Evaluate candidates in batched mode: a request stream served by the continuous-batching
+scheduler at a fixed concurrency, measured exactly as single mode is (``tune/evaluate.py``):
+warmed up, interleaved with the baseline in repeated rounds, bounded by the cost model, and
+token-forced on every request's output.
 
-It serves the stream the way ``bench --mode batched`` does (``bench/batched.py``: the same
-requests, warm-up and ``run_stream`` clock), once through batched plain AR over the stock target
-(the baseline, measured once per evaluator) and once through each candidate's scheduler, all in
-one process. The metric is total tokens of all requests over first arrival to last finish,
-candidate over batched AR. Every request's committed tokens are token-forced against the stock
-target; one mismatch rejects the candidate, as in single mode.
+The baseline is batched plain AR over the stock target on the same stream (the same scheduler
+over the AR engine). The metric is total tokens of all requests over first arrival to last
+finish, candidate over batched AR.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specpilot.bench.batched import (
     BatchedRun,
@@ -22,13 +21,12 @@ from specpilot.bench.batched import (
     run_stream,
     warm_up_scheduler,
 )
-from specpilot.bench.runner import synchronize
-from specpilot.engine.batching import BatchScheduler, Request
+from specpilot.bench.protocol import Sample, timed
+from specpilot.engine import AcceptanceStats, Engine, Request, Scheduler
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig, resolve_segment_tokens
 from specpilot.errors import SpecPilotError
-from specpilot.forcing import force_tokens
-from specpilot.tune.evaluate import Evaluator, TrialResult, forcing_summary
+from specpilot.tune.evaluate import Evaluator
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +50,7 @@ class BatchedStream:
 
 
 class BatchedEvaluator(Evaluator):
-    """Holds the stock target, the request stream and its batched-AR baseline."""
+    """The stock target, the request stream and its batched-AR baseline."""
 
     def __init__(
         self,
@@ -61,59 +59,59 @@ class BatchedEvaluator(Evaluator):
         max_new_tokens: int,
         stream: BatchedStream,
         max_context: int = 8192,
+        graphs: bool | None = None,
+        rounds: int = 3,
     ) -> None:
         self.stream = stream
         self.segment_tokens = resolve_segment_tokens(base, None)  # the AR baseline's segment
         self.sched_context = max(len(p) for p in prompts) + max_new_tokens
-        super().__init__(base, prompts, max_new_tokens, max_context)
+        super().__init__(base, prompts, max_new_tokens, max_context, graphs, rounds)
+
+    def _scheduler(self, engine: Engine, segment_tokens: int) -> Scheduler:
+        return Scheduler(
+            engine,
+            slots=self.stream.concurrency,
+            segment_tokens=segment_tokens,
+            max_context=self.sched_context,
+        )
+
+    def make_baseline(self) -> Any:
+        return self._scheduler(Engine(self.stock.model, graphs=self.graphs), self.segment_tokens)
+
+    def make_candidate(self, config: EngineConfig) -> Any:
+        target = self.stock if not config.mechanisms else None
+        build = build_engine(config, self.max_context, target=target, graphs=self.graphs)
+        return self._scheduler(build.engine(profile=True), resolve_segment_tokens(config, None))
 
     def _requests(self) -> list[Request]:
         named = [(f"p{i}", p) for i, p in enumerate(self.prompts)]
         return request_stream(named, self.stream.size, self.max_new_tokens, frozenset(self.eos_ids))
 
-    def _serve(self, engine: str, sched: BatchScheduler) -> BatchedRun:
-        """Warm ``sched`` up, then serve the whole stream (all requests arrive at once)."""
-        warm_up_scheduler(sched, self.prompts[0], frozenset(self.eos_ids))
-        reqs = self._requests()
-        run = run_stream(engine, sched, reqs, poisson_arrivals(len(reqs), 0.0))
-        synchronize(self.device)
-        return run
+    def workload(self, engine: Any) -> Sample:
+        """The whole stream (all requests arriving at once); payload: (run, phase times)."""
+        sched: Scheduler = engine
+        eng = sched.engine
+        eng.times = type(eng.times)()
 
-    def _measure_ar(self) -> float:
-        """Batched plain AR over the stock target (no mechanism touches it): the baseline."""
-        sched = BatchScheduler(
-            self.stock.model,
-            slots=self.stream.concurrency,
-            segment_tokens=self.segment_tokens,
-            max_context=self.sched_context,
-        )
-        return self._serve("ar", sched).tok_s
+        def run() -> tuple[int, Any]:
+            reqs = self._requests()
+            got: BatchedRun = run_stream("spec", sched, reqs, poisson_arrivals(len(reqs), 0.0))
+            return got.tokens, got
 
-    def evaluate(self, config: EngineConfig) -> TrialResult:
-        t0 = time.perf_counter()
-        target = self.stock if not config.mechanisms else None
-        try:
-            build = build_engine(config, self.max_context, target=target)
-            sched = build.scheduler(
-                self.stream.concurrency,
-                resolve_segment_tokens(config, None),
-                self.sched_context,
-            )
-        except Exception as e:  # a candidate that cannot be built is a failed trial, not a crash
-            return self._failed(config, f"{type(e).__name__}: {e}", t0)
-        run = self._serve("spec", sched)
-        report = force_tokens(
-            self.stock.model, [(r.id, r.prompt_ids, r.tokens) for r in run.results]
-        )
-        wall = time.perf_counter() - t0
-        return TrialResult(
-            config=config,
-            tok_s=run.tok_s,
-            speedup=run.tok_s / self.ar_tok_s,
-            tau=run.stats.mean_accepted_len,
-            acceptance=run.stats.acceptance_rates(),
-            forcing_ok=report.ok,
-            forcing=forcing_summary(report),
-            device_seconds=wall if self.device.type == "cuda" else 0.0,
-            wall_seconds=wall,
-        )
+        sample = timed(self.device, run)
+        sample.payload = (sample.payload, eng.times.to_dict())
+        return sample
+
+    def warm(self, engine: Any) -> None:
+        if self._runner(engine).use_graphs:
+            self.workload(engine)
+        else:
+            warm_up_scheduler(engine, self.prompts[0], frozenset(self.eos_ids))
+
+    def results(self, sample: Sample) -> list[tuple[str, list[int], list[int]]]:
+        run, _ = sample.payload
+        return [(r.id, r.prompt_ids, r.tokens) for r in run.results]
+
+    def stats(self, sample: Sample) -> tuple[AcceptanceStats, dict[str, float]]:
+        run, times = sample.payload
+        return run.stats, times

@@ -20,12 +20,15 @@ def make_evaluator(
     prompts: Sequence[list[int]],
     max_new_tokens: int,
     stream: BatchedStream | None = None,
+    graphs: bool | None = None,
+    rounds: int = 3,
 ) -> Evaluator:
     """The evaluator of the deployment's mode: one request at a time (``single``), or a request
     stream through the continuous-batching scheduler (``batched``; ``stream`` or its defaults)."""
     if base.deployment.mode == "batched":
-        return BatchedEvaluator(base, prompts, max_new_tokens, stream or BatchedStream())
-    return Evaluator(base, prompts, max_new_tokens)
+        stream = stream or BatchedStream()
+        return BatchedEvaluator(base, prompts, max_new_tokens, stream, graphs=graphs, rounds=rounds)
+    return Evaluator(base, prompts, max_new_tokens, graphs=graphs, rounds=rounds)
 
 
 class Executor(Protocol):
@@ -37,8 +40,7 @@ class Executor(Protocol):
 
 
 class LocalExecutor:
-    width = 1
-    """Candidates evaluated at once (the loop checks its budget between such chunks)."""
+    """Evaluates in this process; a chunk of ``width`` candidates shares its AR rounds."""
 
     def __init__(
         self,
@@ -46,12 +48,17 @@ class LocalExecutor:
         prompts: Sequence[list[int]],
         max_new_tokens: int,
         stream: BatchedStream | None = None,
+        graphs: bool | None = None,
+        rounds: int = 3,
+        width: int = 3,
     ) -> None:
-        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream)
+        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream, graphs, rounds)
         self.ar_tok_s = self.evaluator.ar_tok_s
+        self.width = width
+        """Candidates evaluated at once (the loop checks its budget between such chunks)."""
 
     def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
-        return [self.evaluator.evaluate(c) for c in configs]
+        return self.evaluator.evaluate_many(configs)
 
     def close(self) -> None:
         pass
@@ -68,6 +75,8 @@ class RayExecutor:
         address: str | None = None,
         workers: int | None = None,
         stream: BatchedStream | None = None,
+        graphs: bool | None = None,
+        rounds: int = 3,
     ) -> None:
         import ray
 
@@ -84,7 +93,8 @@ class RayExecutor:
             ray.remote(num_gpus=1)(_EvalActor) if gpus else ray.remote(num_cpus=1)(_EvalActor)
         )
         self._actors = [
-            actor_cls.remote(base, list(prompts), max_new_tokens, stream) for _ in range(n)
+            actor_cls.remote(base, list(prompts), max_new_tokens, stream, graphs, rounds)
+            for _ in range(n)
         ]
         self._ray = ray
         self.width = n
@@ -109,11 +119,13 @@ class _EvalActor:
         prompts: list[list[int]],
         max_new_tokens: int,
         stream: BatchedStream | None,
+        graphs: bool | None,
+        rounds: int,
     ) -> None:
         import torch
 
         torch.set_num_threads(1)
-        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream)
+        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream, graphs, rounds)
 
     def ar_tok_s(self) -> float:
         return self.evaluator.ar_tok_s

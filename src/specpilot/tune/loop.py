@@ -5,8 +5,11 @@ round 0: the stock speculative config (what the user gave), plus the validated c
 round r: rank the gaps → the explorers of the directions that attack the biggest ones propose
          candidates around the current best → the executor evaluates them → every candidate is
          token-forced (a mismatch rejects it, logged with its first mismatch) → passing candidates
-         that beat the best by ``min_gain`` are winners → winners from different directions are
+         whose speedup beats the best's by more than both spreads (and by ``min_gain``), and
+         that the cost model can explain, are winners → winners from different directions are
          stacked and the stack re-measured (gains do not simply add) → memory is updated.
+Every speedup is a median of per-round ratios over AR measured interleaved in one process
+(``tune/evaluate.py``); a candidate within the noise of the best is not a winner.
 Stop at the round or time budget, or after a round that improves nothing. The time budget is a
 wall-clock deadline checked before every candidate: a candidate is started only if the time left
 covers the slowest trial so far, so the last round is cut short cleanly (its finished candidates
@@ -48,7 +51,7 @@ class TuneSettings:
     directions_per_round: int = 3
     budget_seconds: float = 1800.0
     min_gain: float = 0.02
-    """A candidate must beat the best speedup by this fraction to count as a winner (noise margin)."""
+    """A winner must beat the best by more than both spreads and by this fraction of it."""
     seed: int = 0
     explorer: str = "auto"
     """Knob proposer: ``tpe`` (Optuna), ``local`` (local search, no dependency), ``auto``."""
@@ -184,13 +187,21 @@ class TuneLoop:
                     wall_seconds=0.0,
                     phase_seconds=row.metrics.get("phase_seconds", {}),
                     error=row.metrics.get("error"),
+                    rounds=list(row.metrics.get("speedup_rounds", [])),
+                    bound=row.metrics.get("bound"),
+                    anomaly=row.metrics.get("anomaly"),
                 )
             else:  # cut by the budget
                 break
-            verdict = "ok" if r.forcing_ok else f"REJECTED by token forcing {r.forcing}"
+            if not r.forcing_ok:
+                verdict = f"REJECTED by token forcing {r.forcing}"
+            elif r.anomaly is not None:
+                verdict = f"ANOMALY: {r.anomaly}"
+            else:
+                verdict = "ok"
             self.log(
                 f"  [{_clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
-                f"{r.speedup:.2f}x AR, τ {r.tau:.2f}, {verdict}"
+                f"{r.spread_text()} AR, τ {r.tau:.2f}, {verdict}"
             )
             out.append(r)
         return out
@@ -213,8 +224,8 @@ class TuneLoop:
                 break
             r = got[0]
             outcome.trials.append(Trial(0, "memory", r, reused_from=label, elapsed=self.elapsed()))
-            outcome.reused.append(f"{label}: {describe(cfg)} → {r.speedup:.2f}x here")
-            if r.forcing_ok and r.speedup > outcome.best.speedup:
+            outcome.reused.append(f"{label}: {describe(cfg)} → {r.spread_text()} here")
+            if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                 outcome.best = r
 
         stale: dict[
@@ -240,9 +251,9 @@ class TuneLoop:
                 proposals = ex.propose(outcome.best.config, s.trials_per_direction)
                 results = self._evaluate(round_, d.name, [p.config for p in proposals])
                 for p, r in zip(proposals, results, strict=False):  # shorter if cut by the budget
-                    ex.tell(p.trial_number, r.speedup if r.forcing_ok else 0.0)
+                    ex.tell(p.trial_number, r.speedup if r.eligible else 0.0)
                     outcome.trials.append(Trial(round_, d.name, r, elapsed=self.elapsed()))
-                    if r.forcing_ok and r.speedup > outcome.best.speedup * (1 + s.min_gain):
+                    if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                         winners.append((p, r))
                 if d.name.startswith("mechanism:") and any(not r.forcing_ok for r in results):
                     # One mismatch proves the mechanism is not lossless here; a later pass on other
@@ -265,8 +276,8 @@ class TuneLoop:
                 ]
                 if not left:
                     self.log(
-                        f"round {round_}: no candidate beat {outcome.best.speedup:.2f}x by "
-                        f"{s.min_gain:.0%} and every direction was tried since; stopping"
+                        f"round {round_}: no candidate beat {outcome.best.spread_text()} by more "
+                        f"than the noise and every direction was tried since; stopping"
                     )
                     break
                 self.log(f"round {round_}: no winner; next: {', '.join(left)}")
@@ -287,7 +298,7 @@ class TuneLoop:
                     stacked = self.by_name[p.explorer].derive(stacked, p.params)
                 for r in self._evaluate(round_, "integrate", [stacked]):
                     outcome.trials.append(Trial(round_, "integrate", r, elapsed=self.elapsed()))
-                    if r.forcing_ok and r.speedup > new_best.speedup:
+                    if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
             outcome.best = new_best
             h = config_hash(new_best.config)
@@ -325,13 +336,6 @@ def _with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
         dep = dataclasses.replace(dep, drafter="draft-model", draft_model=None)
     elif cfg.deployment.drafter != dep.drafter:
         raise ValueError("the remembered config uses another drafter")
-    from specpilot.mechanisms import MECHANISMS
-    from specpilot.tune.space import measured_engine
-
-    engine = measured_engine(dep.mode)
-    if any(not MECHANISMS[n].runs_on(engine) for n in cfg.mechanisms):
-        # e.g. a single-mode tree-verify config offered to a batched tune: not measurable here
-        raise ValueError(f"the remembered config has a mechanism the {engine} engine cannot run")
     return dataclasses.replace(cfg, deployment=dep)
 
 

@@ -21,12 +21,38 @@ def break_even_tokens(
     return search_seconds / saved_per_token if saved_per_token > 0 else None
 
 
+PHASES = ("draft_s", "verify_s", "accept_s", "other_s")
+"""The cycle's phases in the engine's timers (``engine/types.CycleTimes``)."""
+
+
 def per_token_phases(r: TrialResult) -> dict[str, float]:
-    """Milliseconds per generated token in each phase (from the engine's phase timers)."""
-    tokens = r.tok_s * sum(r.phase_seconds.values()) if r.tok_s else 0.0
-    if tokens <= 0:
+    """Milliseconds per generated token in each phase of the decode loop (engine timers)."""
+    ph = {k[:-2]: r.phase_seconds[k] for k in PHASES if r.phase_seconds.get(k, 0.0) > 0}
+    tokens = r.tok_s * r.phase_seconds.get("wall_s", 0.0)
+    if tokens <= 0 or not ph:
         return {}
-    return {k: 1e3 * v / tokens for k, v in r.phase_seconds.items()}
+    return {k: 1e3 * v / tokens for k, v in ph.items()}
+
+
+def verdict_lines(outcome: TuneOutcome) -> list[str]:
+    """What the search found, said only as far as the measured spreads allow."""
+    stock, best = outcome.stock, outcome.best
+    if best is stock:
+        lines = [
+            f"No candidate beat the stock engine by more than the noise: stock "
+            f"{stock.spread_text()} over AR; a winner must beat it by more than both spreads."
+        ]
+        if stock.tau < 1.05:
+            lines.append(
+                f"The drafter's mean accepted length is τ = {stock.tau:.2f}: its drafts are "
+                "(almost) never accepted, so no speculative engine can beat AR here (random "
+                "weights accept nothing; time such a deployment with --simulate-acceptance)."
+            )
+        return lines
+    return [
+        f"Tuned {best.spread_text()} over AR against stock {stock.spread_text()}: the whole "
+        "spread of the tuned engine lies above the stock engine's."
+    ]
 
 
 def write_report(
@@ -43,6 +69,7 @@ def write_report(
     charts = _charts(outcome, out_dir)
     stock, best = outcome.stock, outcome.best
     rejected = [t for t in outcome.trials if not t.result.forcing_ok]
+    anomalies = [t for t in outcome.trials if t.result.anomaly]
     be = break_even_tokens(outcome.wall_seconds, stock.tok_s, best.tok_s)
     unit = "GPU-seconds" if device == "cuda" else "CPU wall-seconds (no GPU used)"
     price = outcome.device_seconds if device == "cuda" else outcome.wall_seconds
@@ -52,15 +79,22 @@ def write_report(
         "| engine | config | tok/s | speedup vs AR | τ (bonus incl.) |",
         "| --- | --- | ---: | ---: | ---: |",
         f"| plain AR (stock path) | — | {outcome.ar_tok_s:.1f} | 1.00× | 1.00 |",
-        f"| stock speculative | {describe(stock.config)} | {stock.tok_s:.1f} | {stock.speedup:.2f}× | {stock.tau:.2f} |",
-        f"| **tuned** | {describe(best.config)} | {best.tok_s:.1f} | **{best.speedup:.2f}×** | {best.tau:.2f} |",
+        f"| stock speculative | {describe(stock.config)} | {stock.tok_s:.1f} | {stock.spread_text()} | {stock.tau:.2f} |",
+        f"| **tuned** | {describe(best.config)} | {best.tok_s:.1f} | **{best.spread_text()}** | {best.tau:.2f} |",
         "",
-        f"Tuned over stock speculative: **{best.tok_s / stock.tok_s:.2f}×**. Tuned engine config: `{tuned_path}`.",
-        "Every trial below was token-forced against the stock target; a rejected trial is never integrated.",
+        "Speedups: median over interleaved rounds against AR in the same process (lowest–highest "
+        "round in brackets).",
+        "",
+        "## Verdict",
+        *[f"- {v}" for v in verdict_lines(outcome)],
+        f"- Tuned engine config: `{tuned_path}`.",
+        "- Every trial below was token-forced against the stock target; a rejected trial, or one "
+        "whose speedup the cost model cannot explain (an anomaly), is never integrated.",
         "",
         "## Price of the search",
         f"- {price:.1f} {unit}; {outcome.wall_seconds:.1f} s wall time; {len(outcome.trials)} trials "
-        f"in {outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing.",
+        f"in {outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing; "
+        f"{len(anomalies)} anomalies.",
         "- Break-even: "
         + (
             f"{be:,.0f} generated tokens until the search has paid for itself."
@@ -75,16 +109,20 @@ def write_report(
     lines += [
         "",
         "## Trials",
-        "| round | explorer | config | tok/s | speedup | τ | forcing |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        "| round | explorer | config | tok/s | speedup | bound | τ | forcing |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for t in outcome.trials:
         r = t.result
-        verdict = (
-            "pass" if r.forcing_ok else f"**REJECTED** {r.forcing.get('first_mismatch', r.forcing)}"
-        )
+        if not r.forcing_ok:
+            verdict = f"**REJECTED** {r.forcing.get('first_mismatch', r.forcing)}"
+        elif r.anomaly:
+            verdict = f"pass; **ANOMALY** {r.anomaly}"
+        else:
+            verdict = "pass"
+        bound = f"{r.bound:.2f}×" if r.bound is not None else "—"
         lines.append(
-            f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.tok_s:.1f} | {r.speedup:.2f}× | {r.tau:.2f} | {verdict} |"
+            f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.tok_s:.1f} | {r.spread_text()} | {bound} | {r.tau:.2f} | {verdict} |"
         )
     lines += ["", *[f"![{name}]({name})" for name in charts]]
     path = out_dir / "report.md"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specpilot.engine.config import DEFAULT_SEGMENT_TOKENS, EngineConfig
-from specpilot.mechanisms import MECHANISMS, Knob, Mechanism
+from specpilot.mechanisms import MECHANISMS, Knob
 
 SEGMENT_CHOICES = (16, 32, 64, 128, 256, 512)
 """Segment sizes tried in batched mode (prompt tokens a newly admitted request feeds per step)."""
@@ -59,33 +59,29 @@ def _with_segment(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     return dataclasses.replace(base, segment_tokens=None if seg == DEFAULT_SEGMENT_TOKENS else seg)
 
 
-def measured_engine(mode: str) -> str:
-    """The engine (``mechanisms.ENGINES``) a tune of this mode measures candidates on."""
-    return "scheduler" if mode == "batched" else "eager"
-
-
 def skipped_mechanisms(base: EngineConfig, device: str, arch: str) -> list[str]:
-    """Registered mechanisms meant for this deployment's mode, device, dtype and model that the
-    engine this tune measures does not carry out (so a trial could not measure them), each with
-    the reason; the tune skips them and the report lists them."""
-    dep, engine = base.deployment, measured_engine(base.deployment.mode)
+    """Every registered mechanism this tune does not search, each with the reason (it does not
+    apply to this deployment's device, dtype, drafter, mode or architecture)."""
+    dep = base.deployment
+    drafter = dep.drafter if dep.drafter else "none"
     out = []
     for name, mech in sorted(MECHANISMS.items()):
-        any_drafter = dataclasses.replace(mech.applies, drafters=())
-        if not any_drafter.allows(device, dep.dtype, dep.drafter, dep.mode, arch):
+        a = mech.applies
+        if a.allows(device, dep.dtype, drafter, dep.mode, arch):
             continue
-        if not mech.runs_on(engine):
-            out.append(f"{name}: {_skip_reason(mech, engine)}")
+        why = [
+            f"{what} {value} (it applies to {', '.join(allowed)})"
+            for what, value, allowed in (
+                ("device", device, a.devices),
+                ("dtype", dep.dtype, a.dtypes),
+                ("drafter", drafter, a.drafters),
+                ("mode", dep.mode, a.modes),
+                ("architecture", arch, a.archs),
+            )
+            if allowed and value not in allowed
+        ]
+        out.append(f"{name}: not for {'; '.join(why)}")
     return out
-
-
-def _skip_reason(mech: Mechanism, engine: str) -> str:
-    where = " or ".join(mech.engines)
-    needs = f", with the {'/'.join(mech.applies.drafters)} drafter" if mech.applies.drafters else ""
-    return (
-        f"carried out only by the {where} engine{needs}; the {engine} engine this tune measures "
-        "would ignore or refuse it, so it is not searched here"
-    )
 
 
 def early_exit_layers(num_layers: int) -> tuple[int, ...]:
@@ -111,11 +107,14 @@ def directions_for(
     """Every direction that applies to the deployment of ``base``. Given the target's
     ``num_layers``, an n-gram deployment without a draft model also gets the early-exit draft
     model (the same-tokenizer drafter that is always on hand) as a direction. In batched mode the
-    scheduler's segment size is a direction too, and only mechanisms the scheduler carries out
-    are searched (``skipped_mechanisms`` lists the others)."""
+    scheduler's segment size is a direction too. Every mechanism that applies to the deployment
+    is searched (``skipped_mechanisms`` lists the others and why). Under simulated acceptance
+    the profile fixes the draft length and the drafter's acceptance, so only mechanisms and the
+    segment size are searched."""
     dep = base.deployment
     out: list[Direction] = []
-    if dep.drafter != "none":
+    simulated = dep.simulate_acceptance is not None
+    if dep.drafter != "none" and not simulated:
         out.append(
             Direction(
                 "draft-length",
@@ -124,7 +123,7 @@ def directions_for(
                 _with_k,
             )
         )
-    if dep.drafter == "ngram":
+    if dep.drafter == "ngram" and not simulated:
         kn = base.drafter_knobs
         out.append(
             Direction(
@@ -137,7 +136,8 @@ def directions_for(
                 _with_ngram,
             )
         )
-    if dep.drafter == "ngram" and dep.draft_model is None and num_layers and num_layers >= 2:
+    early = dep.drafter == "ngram" and dep.draft_model is None and not simulated
+    if early and num_layers and num_layers >= 2:
         layers = early_exit_layers(num_layers)
         out.append(
             Direction(
@@ -160,9 +160,8 @@ def directions_for(
                 _with_segment,
             )
         )
-    drafter, engine = dep.drafter, measured_engine(dep.mode)
     for name, mech in sorted(MECHANISMS.items()):
-        if mech.applies.allows(device, dep.dtype, drafter, dep.mode, arch) and mech.runs_on(engine):
+        if mech.applies.allows(device, dep.dtype, dep.drafter, dep.mode, arch):
             out.append(_mechanism_direction(name))
     return out
 
