@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from specpilot.cli import main
-from specpilot.engine import VerifyOutcome, greedy_verify
 from specpilot.mechanisms import MECHANISMS, Mechanism
 from test_cli import tiny_dir
 
@@ -71,19 +70,25 @@ def tune_argv(model: Path, prompts: Path, out: Path, memory: Path, *extra: str) 
     ]
 
 
-def _faulty_verify(draft: torch.Tensor, lens: torch.Tensor, argmax: torch.Tensor) -> VerifyOutcome:
-    """Accepts one drafted token more than it should, whenever one was rejected."""
-    out = greedy_verify(draft, lens, argmax)
-    n = torch.minimum(out.accepted_len + 1, lens)
-    return VerifyOutcome(accepted_len=n, bonus=argmax.gather(1, n[:, None]).squeeze(1))
+def _install_faulty_head(build, knobs) -> None:
+    """An LM-head argmax plug that bends every token whose id is a multiple of 5."""
+    model = build.target.model
+    fwd, vocab = model.stock_forward(), model.cfg.vocab_size
+
+    def head(x: torch.Tensor) -> torch.Tensor:  # [B, R, H] -> [B, R]
+        b, r, h = x.shape
+        ids = fwd.logits_normed(x.reshape(b * r, h)).argmax(dim=-1).view(b, r)
+        return torch.where(ids % 5 == 0, (ids + 1) % vocab, ids)
+
+    model.argmax_head = head
 
 
 FAULTY = Mechanism(
     name="test-faulty-verify",
-    component="verify",
-    plug_point="verify_strategy",
+    component="lm_head",
+    plug_point="lm_head_argmax",
     lossless="it is not: a planted fault that the gate must reject",
-    apply=lambda build, knobs: setattr(build, "verify_fn", _faulty_verify),
+    apply=_install_faulty_head,
 )
 
 
@@ -150,7 +155,8 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
     )
     cmp = json.loads(capsys.readouterr().out)
     assert cmp["prompts"] == 2 and all(cmp[n]["forcing_ok"] for n in ("ar", "stock", "tuned"))
-    assert cmp["ar"]["vs_ar"] == 1.0 and cmp["tuned_vs_stock"] > 0
+    assert cmp["ar"]["vs_ar"]["median"] == 1.0 and cmp["tuned_vs_stock"]["median"] > 0
+    assert cmp["rounds"] >= 1 and len(cmp["tuned"]["vs_ar"]["rounds"]) == cmp["rounds"]
     # memory CLI
     assert main(["memory", "--memory", str(memory), "list"]) == 0
     listing = capsys.readouterr().out

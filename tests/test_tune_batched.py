@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specpilot.cli import build_parser, main
+from specpilot.engine import generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig, resolve_segment_tokens
 from specpilot.errors import SpecPilotError
@@ -19,13 +20,7 @@ from specpilot.memory import fingerprint_deployment
 from specpilot.tune.space import config_hash, directions_for, skipped_mechanisms
 from test_tune import FAULTY, tune_argv, tune_inputs
 
-STATIC_ONLY = (
-    "ragged-trees",
-    "ragged-verify",
-    "row-block-len",
-    "static-tree-verify",
-    "tiered-budget",
-)
+BATCHED_ONLY = ("adaptive-block", "ragged-verify", "row-block-len", "tiered-budget")
 
 
 @pytest.fixture(scope="module")
@@ -39,24 +34,34 @@ def _config(mode: str, target: str = "m", **kw: object) -> EngineConfig:
     return EngineConfig(dep, k=4, drafter_knobs={"max_n": 3, "min_n": 1}, **kw)  # type: ignore[arg-type]
 
 
-def test_batched_space_searches_only_what_the_scheduler_carries_out():
+def test_every_mechanism_that_applies_is_searched_and_the_others_are_named_with_why():
     names = {d.name for d in directions_for(_config("batched"), "cpu", "llama", num_layers=4)}
-    assert {"draft-length", "ngram-sizes", "segment-tokens", "mechanism:adaptive-block"} <= names
-    assert "mechanism:exact-argmax" in names  # the LM-head argmax runs in the scheduler's forward
-    for name in (*STATIC_ONLY, "tree-verify"):
-        assert f"mechanism:{name}" not in names
+    assert {"draft-length", "ngram-sizes", "segment-tokens"} <= names
+    for name in (*BATCHED_ONLY, "exact-argmax", "tree-verify"):
+        assert f"mechanism:{name}" in names  # one engine: the scheduler runs every plan
     skipped = "\n".join(skipped_mechanisms(_config("batched"), "cpu", "llama"))
-    for name in (*STATIC_ONLY, "tree-verify"):
-        assert f"{name}: carried out only by the" in skipped
-    assert "block drafter" in skipped and "adaptive-block" not in skipped
-    # single mode: no scheduler knob, no batched mechanism, tree verify searched as before
+    assert "w12: not for device cpu (it applies to cuda)" in skipped
+    assert "ragged-trees: not for drafter ngram" in skipped
+    searched = {n.removeprefix("mechanism:") for n in names if n.startswith("mechanism:")}
+    named = {line.split(":")[0] for line in skipped.splitlines()}
+    assert searched | named == set(MECHANISMS) and not searched & named
+    # single mode: no scheduler knob, no batched-only mechanism, and each says why
     single = {d.name for d in directions_for(_config("single"), "cpu", "llama", num_layers=4)}
-    assert "segment-tokens" not in single and "mechanism:adaptive-block" not in single
-    assert "mechanism:tree-verify" in single
-    single_skipped = skipped_mechanisms(_config("single"), "cpu", "llama")
-    assert [x.split(":")[0] for x in single_skipped] == ["static-tree-verify"]
-    # every registered engine name is known; the static-engine ones say so
-    assert all(not MECHANISMS[n].runs_on("scheduler") for n in STATIC_ONLY)
+    assert "segment-tokens" not in single and "mechanism:tree-verify" in single
+    single_skipped = "\n".join(skipped_mechanisms(_config("single"), "cpu", "llama"))
+    for name in BATCHED_ONLY:
+        assert f"mechanism:{name}" not in single
+        assert f"{name}: not for mode single (it applies to batched)" in single_skipped
+
+
+def test_simulated_acceptance_searches_mechanisms_only():
+    dep = DeploymentSpec(
+        target="m", drafter="block", mode="batched", simulate_acceptance="tau=3,block=5"
+    )
+    base = EngineConfig(dep, k=4)
+    names = {d.name for d in directions_for(base, "cpu", "llama", num_layers=4)}
+    assert "draft-length" not in names and "early-exit-drafter" not in names
+    assert "mechanism:ragged-trees" in names and "segment-tokens" in names
 
 
 def test_segment_tokens_direction_and_engine_config_field(tmp_path):
@@ -85,12 +90,21 @@ def test_fingerprints_distinguish_modes():
     assert batched.similarity(single) < batched.similarity(batched)
 
 
-def test_scheduler_refuses_static_engine_mechanisms(tiny):
+def test_the_scheduler_runs_the_batched_plans_losslessly(tiny):
     model, _ = tiny
-    cfg = _config("batched", str(model), mechanisms={"tiered-budget": {}})
-    build = build_engine(cfg, 256)
-    with pytest.raises(SpecPilotError, match="static-engine mechanisms \\(tiered-budget\\)"):
-        build.scheduler(2)
+    from specpilot.engine import Request
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 3, 9, 9, 3, 9], [4, 2, 4, 2, 4, 2, 4, 2, 4]]
+    want = None
+    for mechs in ({}, {"tiered-budget": {}}, {"ragged-verify": {}}, {"row-block-len": {}}):
+        build = build_engine(_config("batched", str(model), mechanisms=mechs), 256)
+        sched = build.scheduler(2, segment_tokens=3, max_context=64)
+        reqs = [Request(f"r{i}", tuple(p), 12) for i, p in enumerate(prompts)]
+        got = [r.tokens for r in sched.run(reqs)]
+        if want is None:
+            stock = build.scheduler(2, segment_tokens=3, max_context=64, stock=True)
+            want = [r.tokens for r in stock.run(reqs)]
+        assert got == want, mechs
 
 
 def test_batched_tune_end_to_end(tiny, tmp_path, capsys, monkeypatch):
@@ -106,8 +120,8 @@ def test_batched_tune_end_to_end(tiny, tmp_path, capsys, monkeypatch):
     log = capsys.readouterr().out
     assert "batched AR (4 requests at concurrency 2" in log
     assert "REJECTED by token forcing" in log and "+test-faulty-verify" in log
-    assert "quarantined" in log and "skipped: tiered-budget" in log
-    assert "[segment-tokens]" in log and "[mechanism:adaptive-block]" in log
+    assert "quarantined" in log and "not searched: w12: not for device cpu" in log
+    assert "[segment-tokens]" in log
 
     tuned = json.loads((out / "tuned.json").read_text())
     assert tuned["deployment"]["mode"] == "batched"
@@ -115,7 +129,7 @@ def test_batched_tune_end_to_end(tiny, tmp_path, capsys, monkeypatch):
     report = (out / "report.md").read_text()
     assert "batched" in report.splitlines()[0] and "## Scope" in report
     assert "Mode: batched" in report and "concurrency 2" in report
-    assert "tiered-budget: carried out only by the static engine" in report
+    assert "w12: not for device cpu" in report
 
     db = sqlite3.connect(memory)
     fps = [json.loads(r[0]) for r in db.execute("SELECT fingerprint FROM deployments")]
@@ -157,15 +171,5 @@ def test_batched_tune_end_to_end(tiny, tmp_path, capsys, monkeypatch):
     tok = build.target.tokenizer
     assert tok is not None
     ids = tok.encode("hello world hi")
-    want = build.stock_engine().generate([ids], 8, tok.eos_token_ids)[0].tokens
+    want = generate(build.stock_engine(), [ids], 8, tok.eos_token_ids)[0].tokens
     assert served == tok.decode(want, skip_special_tokens=True)
-
-
-def test_serve_refuses_a_static_engine_config(tiny, tmp_path):
-    from specpilot.commands.serve import build_app
-
-    model, _ = tiny
-    engine = tmp_path / "static.json"
-    _config("batched", str(model), mechanisms={"ragged-verify": {}}).save(engine)
-    with pytest.raises(SpecPilotError, match="ragged-verify"):
-        build_app(build_parser().parse_args(["serve", "--engine", str(engine)]))

@@ -19,7 +19,7 @@ from conftest import tiny_config, tiny_model
 from specpilot.cli import main
 from specpilot.drafters import DraftModelDrafter
 from specpilot.drafters.early_exit import early_exit_model
-from specpilot.engine import SpecEngine
+from specpilot.engine import Engine, generate
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import Knob
@@ -43,9 +43,9 @@ def test_early_exit_drafter_output_equals_ar(seed, exit_layers, k):
     target = tiny_model(tiny_config(layers=4, vocab=89), seed)
     rng = random.Random(seed)
     prompts = [repetitive_prompt(rng, 89, n) for n in (9, 17)]
-    ar = [r.tokens for r in SpecEngine(target).generate(prompts, 40, [])]
+    ar = [r.tokens for r in generate(Engine(target), prompts, 40, [])]
     drafter = DraftModelDrafter(early_exit_model(target, exit_layers), k=k, target_vocab_size=89)
-    spec = SpecEngine(target, drafter).generate(prompts, 40, [])
+    spec = generate(Engine(target, drafter), prompts, 40, [])
     assert [r.tokens for r in spec] == ar
     assert all(r.stats.mean_accepted_len >= 1.0 for r in spec)
 
@@ -147,7 +147,10 @@ class SlowExecutor:
             time.sleep(self.seconds)
             self.calls += 1
             tok_s = 10.0 + c.k + c.drafter_knobs["a"]
-            out.append(TrialResult(c, tok_s, tok_s / 10, 2.0, [], True, {}, 0.0, self.seconds))
+            sp = tok_s / 10  # the same in every round: an exact, noise-free measurement
+            out.append(
+                TrialResult(c, tok_s, sp, 2.0, [], True, {}, 0.0, self.seconds, rounds=[sp] * 3)
+            )
         return out
 
     def close(self) -> None:
@@ -256,9 +259,9 @@ def test_smollm2_early_exit_drafter_equals_ar():
     assert tok is not None
     prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set("copy-heavy", 2)]
     eos = list(tok.eos_token_ids)
-    ar = [r.tokens for r in SpecEngine(smol.model).generate(prompts, 32, eos)]
+    ar = [r.tokens for r in generate(Engine(smol.model), prompts, 32, eos)]
     for layers in early_exit_layers(smol.model.cfg.num_layers)[1:2]:  # 12 of 30
         drafter = build_drafter("draft-model", smol, 4, None, {"exit_layers": layers})
-        spec = SpecEngine(smol.model, drafter).generate(prompts, 32, eos)
+        spec = generate(Engine(smol.model, drafter), prompts, 32, eos)
         assert [r.tokens for r in spec] == ar
         assert all(r.stats.mean_accepted_len > 1.0 for r in spec)

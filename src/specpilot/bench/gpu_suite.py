@@ -25,10 +25,10 @@ import torch
 
 from specpilot.bench import gpu_ceilings
 from specpilot.bench.records import git_rev
+from specpilot.drafters.base import Drafter
+from specpilot.drafters.draft_model import DraftModelDrafter
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
-from specpilot.drafters.static_base import StaticDrafter
-from specpilot.drafters.static_draft_model import StaticDraftModel
-from specpilot.engine.static_engine import StaticEngine
+from specpilot.engine import CycleTimes, Engine, generate
 from specpilot.forcing import force_tokens
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import (
@@ -114,20 +114,29 @@ def forcing_summary(target: Transformer, prompt: list[int], tokens: list[int]) -
     return out
 
 
-def _decode_rate(engine: StaticEngine, prompt: list[int], n: int) -> tuple[list[int], float, Any]:
+def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], float, Any]:
     """Warm up (same length: same buffers and attention buckets, so every graph is captured
-    outside the timed run), then one timed generate: (tokens, tok/s, result)."""
-    engine.generate([prompt], n)
+    outside the timed run), then one timed generate: (tokens, decode tok/s, result)."""
+    generate(engine, [prompt], n)
     captures = engine.runner.captures
-    res = engine.generate([prompt], n)[0]
+    engine.times = CycleTimes()
+    res = generate(engine, [prompt], n)[0]
     assert engine.runner.captures == captures, "a graph was captured inside the timed run"
     steps = max(len(res.tokens) - 1, 1)
     return res.tokens, steps / engine.times.wall, res
 
 
+def _verify_engine(target: Transformer, prompt: list[int], width: int) -> Engine:
+    """An AR engine whose one row holds ``prompt``, able to time forwards up to ``width``."""
+    eng = Engine(target, verify_width=width)
+    eng.open(1, len(prompt) + width + 8)
+    eng.prefill([0], [prompt], [0], [len(prompt)], [width + 8])
+    return eng
+
+
 def _spec_run(
     target: Transformer,
-    drafter: StaticDrafter,
+    drafter: Drafter,
     profile_text: str,
     prompt: list[int],
     n: int,
@@ -137,7 +146,7 @@ def _spec_run(
 ) -> dict[str, Any]:
     profile = AcceptanceProfile.parse(profile_text)
     sim = SimulatedAcceptance(drafter, profile, seed=seed)
-    eng = StaticEngine(target, sim, profile=True)
+    eng = Engine(target, sim, profile=True)
     tokens, tok_s, res = _decode_rate(eng, prompt, n)
     t, cycles = eng.times, max(eng.times.cycles, 1)
     return {
@@ -237,7 +246,7 @@ def run_shape(
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.prompt_len)]
     n = args.new_tokens
 
-    ar_tokens, ar_tok_s, _ = _decode_rate(StaticEngine(target), prompt, n)
+    ar_tokens, ar_tok_s, _ = _decode_rate(Engine(target), prompt, n)
     bw = ceil["copy_bandwidth_Bps"]
     ctx = args.prompt_len + n / 2
     wbytes = streamed_weight_bytes(cfg, dtype)
@@ -252,8 +261,7 @@ def run_shape(
         "roofline_tok_s_all_params": bw / (cfg.num_params() * target.dtype.itemsize),
     }
 
-    vc = StaticEngine(target, max_verify_width=max(args.verify_widths))
-    vc.prefill([prompt], max(args.verify_widths) + 8)
+    vc = _verify_engine(target, prompt, max(args.verify_widths))
     iters = 2 if args.tiny else 20
     curve = {w: vc.time_forward(w, iters) for w in args.verify_widths}
     out["verify_curve"] = {
@@ -328,10 +336,10 @@ def _k8_spec(
 ) -> dict[str, Any]:
     """k = 8 cycles (the 1B-class draft model where the vocabulary has one) for the breakdown."""
     draft_shape = DRAFT_MODEL_FOR_TARGET.get(name)
-    drafter: StaticDrafter
+    drafter: Drafter
     if draft_shape:
         draft = build_draft_model(draft_shape, target.device, target.dtype, max_positions=2048)
-        drafter = StaticDraftModel(draft, k=8, target_vocab_size=target.cfg.vocab_size)
+        drafter = DraftModelDrafter(draft, k=8, target_vocab_size=target.cfg.vocab_size)
     else:
         drafter = build_block_drafter(target, "tiny-block" if args.tiny else "dflash-b9")
     k8 = _spec_run(target, drafter, args.sim_accept_k8, prompt, n, ar_tokens, ar_tok_s, args.seed)
@@ -347,8 +355,7 @@ def _kernel_profile(name: str, args: argparse.Namespace, dev: torch.device) -> d
         target = build_target(name, dev, dtype, seed=args.seed, max_positions=2048)
         rng = random.Random(args.seed)
         prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(args.prompt_len)]
-        vc = StaticEngine(target, max_verify_width=16)
-        vc.prefill([prompt], 24)
+        vc = _verify_engine(target, prompt, 16)
         graph_s = {str(w): vc.time_forward(w, 2 if args.tiny else 20) for w in (1, 16)}
         return {
             "shape": name,
@@ -360,9 +367,7 @@ def _kernel_profile(name: str, args: argparse.Namespace, dev: torch.device) -> d
 
 
 def vc_time(target: Transformer, prompt: list[int], width: int, iters: int) -> float:
-    vc = StaticEngine(target, max_verify_width=width)
-    vc.prefill([prompt], width + 8)
-    return vc.time_forward(width, iters)
+    return _verify_engine(target, prompt, width).time_forward(width, iters)
 
 
 def _fmt(x: Any, spec: str) -> str:

@@ -43,7 +43,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "attention_bias": cfg.attention_bias,
         "torch_dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1 else cfg.eos_token_ids[0],
+        "eos_token_id": list(cfg.eos_token_ids)
+        if len(cfg.eos_token_ids) != 1
+        else cfg.eos_token_ids[0],
     }
     rs = cfg.rope_scaling
     if rs is not None:
@@ -61,7 +63,10 @@ def hf_tensors(model: Transformer) -> dict[str, torch.Tensor]:
     """Every weight under its HF name, split out of the fused q/k/v and gate/up matrices."""
     cfg = model.cfg
     q, kv = cfg.q_size, cfg.kv_size
-    out = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.final_norm}
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed,
+        "model.norm.weight": model.final_norm,
+    }
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head
     for i, layer in enumerate(model.layers):

@@ -110,9 +110,16 @@ def records_of(
         r = run.result
         records.append(
             make_record(
-                run.id, kind, meta, run.prompt_ids, r.tokens, r.stop_reason, run.seconds,
-                k=k, stats=r.stats.to_dict(),
-            )  # fmt: skip
+                run.id,
+                kind,
+                meta,
+                run.prompt_ids,
+                r.tokens,
+                r.stop_reason,
+                run.seconds,
+                k=k,
+                stats=r.stats.to_dict(),
+            )
         )
         stats.merge(r.stats)
     return records, stats

@@ -117,21 +117,21 @@ def run(args: argparse.Namespace) -> int:
         f"{meta['device']} ({meta['runner']}), warm-up then {args.rounds} interleaved rounds"
     )
 
-    def on_round(r: int, got: dict[str, Sample]) -> None:
-        a, s_ = got["ar"].tok_s, got["spec"].tok_s
-        say(f"  round {r + 1}/{args.rounds}: AR {a:.1f} tok/s, spec {s_:.1f} tok/s ({s_ / a:.2f}x)")
+    # With no drafter the speculative engine is plain AR: one arm, nothing to compare it with.
+    spec = "spec" if dep.build.drafter is not None else "ar"
 
+    def on_round(r: int, got: dict[str, Sample]) -> None:
+        a, s_ = got["ar"].tok_s, got[spec].tok_s
+        line = f"  round {r + 1}/{args.rounds}: AR {a:.1f} tok/s"
+        say(line if spec == "ar" else f"{line}, spec {s_:.1f} tok/s ({s_ / a:.2f}x)")
+
+    engines = {"ar": ar_engine} if spec == "ar" else {"ar": ar_engine, "spec": spec_engine}
     m = side_by_side(
-        {"ar": ar_engine, "spec": spec_engine},
-        encoded,
-        args.max_new_tokens,
-        dep.eos_ids,
-        rounds=args.rounds,
-        on_round=on_round,
+        engines, encoded, args.max_new_tokens, dep.eos_ids, rounds=args.rounds, on_round=on_round
     )
     ar_records, _ = records_of(m.last("ar"), "ar", meta)
-    spec_records, stats = records_of(m.last("spec"), "spec", meta, k=spec_engine.k)
-    batch = [*ar_records, *spec_records]
+    spec_records, stats = records_of(m.last(spec), "spec", meta, k=spec_engine.k)
+    batch = ar_records if spec == "ar" else [*ar_records, *spec_records]
     hf_tok_s = None
     if args.hf:
         from specpilot.bench.hf_baseline import HFBaseline
@@ -139,14 +139,16 @@ def run(args: argparse.Namespace) -> int:
         say("HF transformers generate (one run, not interleaved) ...")
         hf = HFBaseline(args.target, dep.dtype, dep.device)
         hf.generate(encoded[0][1][-16:], 8, dep.eos_ids)  # warm-up
-        hf_records = [hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, meta) for pid, ids in encoded]
+        hf_records = [
+            hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, meta) for pid, ids in encoded
+        ]
         hf_tok_s = sum(len(r.tokens) for r in hf_records) / sum(r.seconds for r in hf_records)
         batch += hf_records
     append_records(out, batch)
     say(f"token forcing {len(spec_records)} speculative outputs ...")
     forcing = force_records(dep.target.model, spec_records)
     identical = sum(a.tokens == b.tokens for a, b in zip(ar_records, spec_records, strict=True))
-    result = summary_dict(m, stats, forcing, identical, meta, args, out, len(encoded))
+    result = summary_dict(m, spec, stats, forcing, identical, meta, args, out, len(encoded))
     if hf_tok_s is not None:
         result["hf_tok_s"] = hf_tok_s
         result["ar_over_hf"] = result["ar_tok_s"] / hf_tok_s
@@ -159,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summary_dict(
     m: Measurement,
+    spec: str,
     stats: AcceptanceStats,
     forcing: ForcingReport,
     identical: int,
@@ -167,7 +170,7 @@ def summary_dict(
     out: Path,
     prompts: int,
 ) -> dict:
-    ratio = m.ratio("spec", "ar")
+    ratio = m.ratio(spec, "ar")
     return {
         **meta,
         "prompt_set": args.prompts,
@@ -175,7 +178,8 @@ def summary_dict(
         "max_new_tokens": args.max_new_tokens,
         "rounds": len(ratio.values),
         "ar_tok_s": m.tok_s("ar"),
-        "spec_tok_s": m.tok_s("spec"),
+        "spec_tok_s": m.tok_s(spec),
+        "ar_tok_s_rounds": [x.tok_s for x in m.samples["ar"]],
         "speedup": ratio.median,
         "speedup_spread": ratio.to_dict(),
         "verdict": ratio.verdict(),
@@ -208,6 +212,17 @@ def print_summary(r: dict) -> None:
             f"{r['hf_tok_s'] / r['ar_tok_s']:.2f}×",
         )
     table.add_row("our AR (stock path)", f"{r['ar_tok_s']:.1f}", "1.00×")
+    if r["drafter"] == "none":
+        console.print(table)
+        rounds = ", ".join(f"{x:.1f}" for x in r["ar_tok_s_rounds"])
+        console.print(f"AR tok/s per round after a warm-up: {rounds}")
+        console.print(
+            f"[green]{r['forcing']['summary']}[/]"
+            if r["forcing"]["ok"]
+            else f"[bold red]{r['forcing']['summary']}[/]"
+        )
+        console.print(f"records: {r['records']}")
+        return
     sp = r["speedup_spread"]
     spread = f" ({sp['lo']:.2f}–{sp['hi']:.2f})" if r["rounds"] > 1 else ""
     table.add_row(

@@ -77,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = _prompt_ids(args, tok)
     ar_engine, spec_engine = dep.engines()
     spec_engine.check_fits(len(prompt_ids), args.max_new_tokens)
+    baseline = not args.no_baseline and dep.build.drafter is not None  # no drafter: it is AR
     warm_up(
-        [spec_engine] if args.no_baseline else [ar_engine, spec_engine],
+        [spec_engine] if not baseline else [ar_engine, spec_engine],
         [("prompt", prompt_ids)],
         args.max_new_tokens,
         dep.eos_ids,
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": meta["dtype"],
         "device": meta["device"],
     }
-    if not args.no_baseline:
+    if baseline:
         ar_res, ar_s = timed_generate(ar_engine, prompt_ids, args.max_new_tokens, dep.eos_ids)
         ar = make_record("prompt", "ar", meta, prompt_ids, ar_res.tokens, ar_res.stop_reason, ar_s)
         records.append(ar)
@@ -147,7 +148,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         line = f"{len(spec.tokens)} tokens at {spec.tok_s:.1f} tok/s with {dep.drafter_name}, τ = {spec_res.stats.mean_accepted_len:.2f} (incl. bonus)"
         if "speedup" in out:
-            line += f"; AR {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}× (one run each)"
+            line += (
+                f"; AR {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}× (one run each)"
+            )
             line += (
                 ", output identical to AR" if out["identical_to_ar"] else ", output DIFFERS from AR"
             )

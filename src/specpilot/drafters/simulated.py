@@ -228,7 +228,9 @@ class SimulatedAcceptance:
         n = min(rows.oracle_horizon(), self.chunk)
         cont = rows.reference_continuation(n)
         self.reference_runs += 1
-        for row, (c, toks, a) in enumerate(zip(rows.committed_lens(), cont, rows.active, strict=True)):
+        for row, (c, toks, a) in enumerate(
+            zip(rows.committed_lens(), cont, rows.active, strict=True)
+        ):
             if not a:
                 continue
             self._host[row][c : c + len(toks)] = toks

@@ -49,7 +49,7 @@ def prefill_rows(
     for prompt, s, n, new in zip(prompts, starts, seg_lens, max_news, strict=True):
         if not prompt:
             raise PromptTooLongError("The prompt is empty; give at least one token.")
-        if not (0 <= s and 1 <= n and s + n <= len(prompt)):
+        if not (s >= 0 and n >= 1 and s + n <= len(prompt)):
             raise ValueError(f"segment [{s}, {s + n}) outside a prompt of {len(prompt)} tokens")
         if len(prompt) + new > room:
             raise PromptTooLongError(
@@ -58,7 +58,9 @@ def prefill_rows(
             )
     firsts: list[int | None] = [None] * len(rows)
     for run in contiguous_runs(rows):
-        for i, first in zip(run, _prefill_run(engine, run, rows, prompts, starts, seg_lens, max_news), strict=True):
+        for i, first in zip(
+            run, _prefill_run(engine, run, rows, prompts, starts, seg_lens, max_news), strict=True
+        ):
             firsts[i] = first
     return firsts
 
@@ -79,7 +81,9 @@ def _prefill_run(
     padded = torch.zeros(b, width, dtype=torch.int64)
     for j, i in enumerate(run):
         s = starts[i]
-        padded[j, : seg_lens[i]] = torch.tensor(list(prompts[i][s : s + seg_lens[i]]), dtype=torch.int64)
+        padded[j, : seg_lens[i]] = torch.tensor(
+            list(prompts[i][s : s + seg_lens[i]]), dtype=torch.int64
+        )
     tokens = padded.to(dev)  # [b, T]
     start = torch.tensor([starts[i] for i in run], dtype=torch.int64, device=dev)  # [b]
     drafter = engine.drafter

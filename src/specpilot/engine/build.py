@@ -59,7 +59,9 @@ class EngineBuild:
             return "none"
         cfg = self.config
         name = f"{cfg.deployment.drafter}(k={cfg.k})"
-        return f"{name}, {SIM_LABEL} {cfg.deployment.simulate_acceptance}" if self.simulated else name
+        return (
+            f"{name}, {SIM_LABEL} {cfg.deployment.simulate_acceptance}" if self.simulated else name
+        )
 
     def plan(self) -> VerifyPlan | None:
         if self.drafter is None:
@@ -89,7 +91,9 @@ class EngineBuild:
     ) -> Scheduler:
         """Continuous batching over this build's engine (``stock``: over batched plain AR)."""
         engine = self.stock_engine() if stock else self.engine()
-        return Scheduler(engine, slots=slots, segment_tokens=segment_tokens, max_context=max_context)
+        return Scheduler(
+            engine, slots=slots, segment_tokens=segment_tokens, max_context=max_context
+        )
 
 
 def simulate(drafter: Drafter | None, profile_text: str, seed: int = 0) -> SimulatedAcceptance:

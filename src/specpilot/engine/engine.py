@@ -59,11 +59,13 @@ class Engine:
         fuse_residual: bool | None = None,
         profile: bool = False,
         capacity: int | None = None,
+        verify_width: int = 0,
     ) -> None:
         """``graphs``: run steps from CUDA graphs (default: on CUDA). ``plan``: the verify plan
         (default: the chain). ``profile``: time the draft, verify and accept phases.
         ``capacity``: KV slots per row (default: the model's RoPE table), allocated once, so
-        that graphs captured on the buffers stay valid for every later request."""
+        that graphs captured on the buffers stay valid for every later request.
+        ``verify_width``: the widest forward ``time_forward`` may time (verify-cost curves)."""
         if plan is not None and drafter is None:
             raise ValueError("A verify plan needs a drafter; plain AR verifies one token per row.")
         self.target = target
@@ -78,7 +80,7 @@ class Engine:
         self.plan: VerifyPlan | None = plan or (ChainPlan() if drafter is not None else None)
         width = self.plan.block_width(self.k) if self.plan is not None else 1
         depth = self.plan.depth(self.k) if isinstance(self.plan, TreePlan) else self.k
-        self.k_max = max(self.k, width - 1, depth)
+        self.k_max = max(self.k, width - 1, depth, verify_width - 1)
         self.profile = profile
         limit = target.max_positions
         self.slots = limit if capacity is None else min(capacity, limit)
@@ -229,7 +231,9 @@ class Engine:
         layers = () if self.drafter is None else self.drafter.hidden_layers
         cfg, dt = self.target.cfg, self.target.dtype
         self._hidden = (
-            torch.zeros(len(layers), batch, self.k_max + 1, cfg.hidden_size, dtype=dt, device=self.device)
+            torch.zeros(
+                len(layers), batch, self.k_max + 1, cfg.hidden_size, dtype=dt, device=self.device
+            )
             if layers
             else None
         )
@@ -353,7 +357,11 @@ class Engine:
             host_start = self.host.lens[0] - 1 + offset
 
         def verify() -> None:
-            block = torch.cat([st.pending[:, None], st.drafts[:, : w - 1]], dim=1) if w > 1 else st.pending[:, None]
+            block = (
+                torch.cat([st.pending[:, None], st.drafts[:, : w - 1]], dim=1)
+                if w > 1
+                else st.pending[:, None]
+            )
             lay = DenseLayout.build(
                 st.committed_len - 1, w, attn_len, self.fwd.groups, self.target.dtype,
                 host_start=host_start,
@@ -435,7 +443,9 @@ class Engine:
 
         def verify() -> None:
             block = torch.cat([st.pending[:, None], st.drafts[:, : width - 1]], dim=1)
-            lay = DenseLayout.build(st.committed_len - 1, width, attn_len, self.fwd.groups, self.target.dtype)
+            lay = DenseLayout.build(
+                st.committed_len - 1, width, attn_len, self.fwd.groups, self.target.dtype
+            )
             self.forward_block(block, lay, st.verify_argmax, None)
 
         def once() -> None:

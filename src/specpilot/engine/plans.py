@@ -28,11 +28,11 @@ import torch
 
 from specpilot.drafters.static_tree import StaticTree
 from specpilot.drafters.tree import TreeShape
-from specpilot.engine.accept import accept_and_commit, tree_accept_and_commit
+from specpilot.engine.accept import tree_accept_and_commit
 from specpilot.engine.tree_policy import FixedTree, TreePolicy
 from specpilot.engine.trees import TreeBuffers
 from specpilot.engine.widths import WidthPolicy
-from specpilot.models.layout import PackedLayout, PackedRows, bucket_rows
+from specpilot.models.layout import PackedRows, bucket_rows
 
 if TYPE_CHECKING:
     from specpilot.engine.engine import Engine
@@ -235,7 +235,9 @@ class TreePlan:
             )
         if self.policy is not None:
             if any(t.depth > engine.k for t in self.policy.shapes):
-                raise ValueError(f"A tree deeper than the drafter's {engine.k} positions was given.")
+                raise ValueError(
+                    f"A tree deeper than the drafter's {engine.k} positions was given."
+                )
             self.policy.reset(engine.batch, engine.k)
         ranks = 1 + (max(t.max_rank for t in self.policy.shapes) if self.policy else 0)
         hid = None
@@ -298,9 +300,12 @@ class TreePlan:
         engine.runner.run(("tree_verify", m, attn_len), verify, st, engine.verify_graph_safe)
         engine.mark()
 
+        cache = engine.cache
+        assert cache is not None
+
         def accept() -> None:
             tree_accept_and_commit(
-                st, bufs.tokens, bufs.argmax, bufs.topo, bufs.visible, engine.cache, depth,
+                st, bufs.tokens, bufs.argmax, bufs.topo, bufs.visible, cache, depth,
                 bufs.hidden, engine.verify_hidden,
             )  # fmt: skip
 

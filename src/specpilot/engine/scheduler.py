@@ -166,7 +166,10 @@ class Scheduler:
         prompts = [r.request.prompt_ids for r in held if r is not None]
         starts = [r.prefilled for r in held if r is not None]
         seg = self.segment_tokens
-        lens = [len(p) - s if seg is None else min(seg, len(p) - s) for p, s in zip(prompts, starts, strict=True)]
+        lens = [
+            len(p) - s if seg is None else min(seg, len(p) - s)
+            for p, s in zip(prompts, starts, strict=True)
+        ]
         news = [r.request.max_new_tokens for r in held if r is not None]
         firsts = self.engine.prefill(rows, prompts, starts, lens, news)
         report.rows_prefilling += len(rows)
@@ -178,7 +181,9 @@ class Scheduler:
                 r.result.first_token_step = self.steps
                 self._commit(b, [first], report, per_token_stats=False)
 
-    def _commit(self, row: int, tokens: list[int], report: StepReport, per_token_stats: bool) -> None:
+    def _commit(
+        self, row: int, tokens: list[int], report: StepReport, per_token_stats: bool
+    ) -> None:
         """Append a row's committed tokens, cut at its stop token or length limit."""
         held = self._rows[row]
         assert held is not None

@@ -91,7 +91,9 @@ class TreeBuffers:
     def width(self) -> int:
         return int(self.tokens.shape[1])
 
-    def _put(self, row: int, parents: Sequence[int], depths: Sequence[int], ranks: Sequence[int]) -> None:
+    def _put(
+        self, row: int, parents: Sequence[int], depths: Sequence[int], ranks: Sequence[int]
+    ) -> None:
         if len(parents) + 1 > self.width:
             raise ValueError(f"A tree of {len(parents)} nodes does not fit {self.width - 1}.")
         topo, vis = tree_tables(parents, depths, ranks, self.width)

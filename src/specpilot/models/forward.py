@@ -184,7 +184,9 @@ class Forward:
         """Every layer over the layout's rows; the chosen layers' outputs copied to
         ``hidden_out`` in block order. Returns the last layer's output ``[M, hidden]``."""
         if lay.attn_len > cache.max_seq_len:
-            raise ValueError(f"attention length {lay.attn_len} beyond the cache ({cache.max_seq_len})")
+            raise ValueError(
+                f"attention length {lay.attn_len} beyond the cache ({cache.max_seq_len})"
+            )
         for i, layer in enumerate(self.layers):
             x = self.layer(layer, x, cache.k[i], cache.v[i], lay)
             if hidden_out is not None and i in hidden_layers:
@@ -228,6 +230,8 @@ class Forward:
     ) -> Tensor:
         """Last-layer output ``[B*T, hidden]`` of a block written at slots ``start + t``."""
         b, t = tokens.shape
-        lay = DenseLayout.build(start, t, attn_len, self.groups, self.model.dtype, causal, host_start)
+        lay = DenseLayout.build(
+            start, t, attn_len, self.groups, self.model.dtype, causal, host_start
+        )
         x = self.embed(tokens.reshape(b * t))
         return self.run_layers(x, cache, lay, hidden_layers, hidden_out)

@@ -55,7 +55,7 @@ class KVCache:
 
     def slice(self, first: int, n: int = 1) -> KVCache:
         """A view of sequences ``first .. first + n - 1``: same storage, so writes land there."""
-        if not (0 <= first and 1 <= n and first + n <= self.batch_size):
+        if not (first >= 0 and n >= 1 and first + n <= self.batch_size):
             raise ValueError(f"rows {first}..{first + n - 1} outside 0..{self.batch_size - 1}")
         end = first + n
         return KVCache(

@@ -262,7 +262,12 @@ class PackedLayout:
         g = h // kv_heads
         pad = q.new_zeros((b + 1) * w, h, d)
         pad.index_copy_(0, self.place[0] * w + self.place[1], q)  # [(B+1)*W, H, D]
-        return pad[: b * w].view(b, w, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * w, d)
+        return (
+            pad[: b * w]
+            .view(b, w, kv_heads, g, d)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(b, kv_heads, g * w, d)
+        )
 
     def gather(self, attn: Tensor) -> Tensor:
         b, hkv, gw, d = attn.shape

@@ -192,7 +192,6 @@ class Transformer(nn.Module):
     def allocate_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         return KVCache.allocate(self.cfg, batch_size, max_seq_len, self.dtype, self.device)
 
-
     def stock_forward(self) -> Forward:
         """The layer body with the torch reference ops: the stock rounding order (cached; a
         mechanism that installs a kernel in ``linear_fns`` is seen through it)."""

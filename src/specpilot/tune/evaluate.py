@@ -18,8 +18,9 @@ trial is an **anomaly**: reported, never a winner.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,8 +211,9 @@ class Evaluator:
                 msg = f"{type(e).__name__}: {e}"
                 cands.append(_Candidate(c, None, time.perf_counter() - t0, msg))
         live = {f"c{i}": cd for i, cd in enumerate(cands) if cd.error is None}
-        arms = {"ar": lambda: self.workload(self.baseline)}
-        arms |= {name: (lambda e=cd.engine: self.workload(e)) for name, cd in live.items()}
+        arms: dict[str, Callable[[], Sample]] = {"ar": lambda: self.workload(self.baseline)}
+        for name, cd in live.items():
+            arms[name] = functools.partial(self.workload, cd.engine)
         t0 = time.perf_counter()
         m = interleave(arms, self.rounds, warmup=0) if live else Measurement()
         share = (time.perf_counter() - t0) / max(len(live), 1)  # the AR rounds are shared
@@ -231,7 +233,10 @@ class Evaluator:
         anomaly = None
         if ratio.median > bound * (1 + ANOMALY_SLACK + 2 * ratio.noise):
             again = interleave(
-                {"ar": lambda: self.workload(self.baseline), name: lambda: self.workload(cd.engine)},
+                {
+                    "ar": lambda: self.workload(self.baseline),
+                    name: lambda: self.workload(cd.engine),
+                },
                 self.rounds,
                 warmup=0,
             )
