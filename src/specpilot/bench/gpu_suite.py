@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hf-compile-shapes", default="llama3-8b", help="comma list, '' for none")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-assisted", action="store_true")
+    ap.add_argument("--no-k8", action="store_true", help="skip the k = 8 draft-model cycles")
     ap.add_argument("--no-profile", action="store_true", help="skip the kernel-time profile")
     ap.add_argument("--budget-s", type=float, default=510.0, help="skip optional parts past this")
     ap.add_argument("--commit", default=None)
@@ -279,7 +280,8 @@ def run_shape(
             "tb": traceback.format_exc()[-2000:],
         }
     try:
-        out["spec_k8"] = _k8_spec(target, name, args, prompt, n, ar_tokens, ar_tok_s)
+        if not args.no_k8:
+            out["spec_k8"] = _k8_spec(target, name, args, prompt, n, ar_tokens, ar_tok_s)
     except Exception as e:
         out["spec_k8"] = {
             "error": f"{type(e).__name__}: {e}"[:600],

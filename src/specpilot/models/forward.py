@@ -60,9 +60,10 @@ class Forward:
 
             self._k = decode_triton
         self.groups = self.cfg.num_heads // self.cfg.num_kv_heads
-        # "GEMM, round, add" versus the add fused into the GEMM differ by rounding only; the
-        # stock order is kept unless the fused kernels are on.
-        self.fuse_residual = self.use_triton if fuse_residual is None else fuse_residual
+        # "GEMM, round, add" versus the add fused into the GEMM differ by rounding only; on the
+        # CPU the stock order is kept, so fp32 results track the stock path exactly.
+        cuda = model.device.type == "cuda"
+        self.fuse_residual = cuda if fuse_residual is None else fuse_residual
 
     # ------------------------------------------------------------------ pieces
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:  # [M, N] -> [M, N]
