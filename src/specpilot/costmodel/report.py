@@ -115,14 +115,14 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
     )
     ranked = pred.gaps()[:5]
     if ranked:
-        say("largest gaps (time lost per generated token):")
+        say(f"largest gaps (time lost per generated token{tag.replace(' ·', ';')}):")
         for i, g in enumerate(ranked, 1):
             names = ", ".join(f"{m.name} ({m.status})" for m in g.mechanisms[:3]) or "none known"
             say(
                 f"  {i}. {g.component:<13} {g.lost_s_per_token * 1e3:8.3f} ms ({g.share:5.1%})  → {names}"
             )
     for key, val in (header or {}).items():
-        console.print(f"[dim]{tagged(f'{key}: {val}')}[/]")
+        console.print(f"[dim]{key}: {val}[/]")  # inputs (prompts, hardware), not run figures
     for note in pred.notes:
         console.print(f"[dim]{note}[/]")
 
