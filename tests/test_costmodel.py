@@ -604,8 +604,9 @@ def test_gpu_profile_script_runs_tiny_on_cpu(tmp_path):
 # ---------------------------------------------------------------------- on CUDA graphs
 @needs_cuda
 def test_pieces_in_cuda_graphs_compute_the_engine_forward():
-    """Pieces captured in graphs (the engine's mode on CUDA: Triton kernels, bucketed attention)
-    replay the verify body; in fp32 its argmax equals the stock forward's on the same cache."""
+    """Pieces captured in a CUDA graph (the engine's mode on CUDA: Triton kernels, bucketed
+    attention, the mask built on the device) replay the verify body: the same argmax and K/V as
+    the same Forward run eagerly over a copy of the cache."""
     from conftest import tiny_config
     from specpilot.costmodel.components import forward_pieces, random_cache
     from specpilot.costmodel.measure import capture_graph, measure_forwards
@@ -615,21 +616,26 @@ def test_pieces_in_cuda_graphs_compute_the_engine_forward():
     dev = torch.device("cuda")
     model = Transformer(tiny_config(arch="qwen3", layers=2), dtype=torch.float32, device=dev)
     model.init_random(3, std=0.15)
+    fwd = Forward(model)
     cache = random_cache(model, 256, seed=1)
-    stock_cache = _cache_copy(cache)
-    pieces = forward_pieces(Forward(model), 4, 30, graphs=True, cache=cache, seed=2)
+    eager_cache = _cache_copy(cache)
+    pieces = forward_pieces(fwd, 4, 30, graphs=True, cache=cache, seed=2)
     assert pieces.attn_len == 128
     with torch.inference_mode():
         replay = capture_graph(pieces.forward, dev)
+        buf = pieces.forward()  # the persistent argmax buffer  [1, T]
+        assert isinstance(buf, torch.Tensor)
+        buf.zero_()
         replay()
-        got = pieces.forward().clone()
-        ids = torch.randint(
-            model.cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(2)
-        ).to(dev)
-        stock_cache.commit(0, 30)
-        want = model.forward_argmax(ids, stock_cache)
-    assert torch.equal(got, want)
-    ft = measure_forwards(Forward(model), [1, 4], 30, rounds=2, graphs=True)
+        got = buf.clone()  # what the replay wrote
+        gen = torch.Generator().manual_seed(2)
+        ids = torch.randint(model.cfg.vocab_size, (1, 4), generator=gen).to(dev)
+        start = torch.tensor([30], device=dev)
+        want = fwd.argmax(fwd.dense(ids, eager_cache, start, 128))
+    assert torch.equal(got[0], want)
+    for k_got, k_eager in zip(cache.k, eager_cache.k, strict=True):
+        assert torch.equal(k_got[:, :, :34], k_eager[:, :, :34])
+    ft = measure_forwards(fwd, [1, 4], 30, rounds=2, graphs=True)
     assert all(t.forward_s > 0 and all(v > 0 for v in t.components.values()) for t in ft.values())
 
 
