@@ -1,7 +1,8 @@
 """Why does timing the cost model's component pieces in CUDA graphs crash? Variants, one process each.
 
 An illegal memory access poisons the CUDA context, so every variant runs in its own process:
-``ForwardTimer``-style capture of every (width, component) piece of the static forward, then
+``ForwardTimer``-style capture of every (width, component) piece of the engine's forward (the
+variants below were recorded with the old static forward, before the one engine), then
 interleaved timing rounds of replays. Variants change one thing each: the layers, the widths, and
 whether the graphs share one memory pool (as the engine's ``GraphRunner`` does) or each get a
 private one.
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from specpilot.costmodel.components import static_pieces
-from specpilot.costmodel.measure import _graph
+from specpilot.costmodel.components import forward_pieces
+from specpilot.costmodel.measure import capture_graph
+from specpilot.models.forward import Forward
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import TARGET_SHAPES, init_random_on_device
 
@@ -48,7 +50,7 @@ def one(args: argparse.Namespace) -> None:
     if args.mode == "timer":
         from specpilot.costmodel.measure import measure_forwards
 
-        res = measure_forwards(model, widths, args.context, "static", rounds=5)
+        res = measure_forwards(model, widths, args.context, rounds=5, graphs=True)
         for w, ft in res.items():
             print(f"OK width {w}: forward {ft.forward_s * 1e3:.3f} ms", flush=True)
         print("ALL OK", flush=True)
@@ -56,14 +58,15 @@ def one(args: argparse.Namespace) -> None:
     runs = {}
     with torch.inference_mode():
         fns = {}
+        fwd = Forward(model)
         for w in widths:
-            pieces = static_pieces(model, w, args.context)
+            pieces = forward_pieces(fwd, w, args.context, graphs=True)
             for name, fn in {**pieces.components, "__forward__": pieces.forward}.items():
                 fns[(w, name)] = fn
                 if args.mode == "warm-first":
                     fn()
         for key, fn in fns.items():
-            runs[key] = _graph(fn, dev)
+            runs[key] = capture_graph(fn, dev)
             runs[key]()
         torch.cuda.synchronize()
         print("captured", flush=True)
