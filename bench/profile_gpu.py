@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from specpilot.bench.runner import warm_up
 from specpilot.costmodel.hardware import measure_ceilings
 from specpilot.costmodel.profile_run import profile_engines
 from specpilot.costmodel.report import plain_table
@@ -81,7 +80,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     profile = AcceptanceProfile.parse(args.sim_accept)
     sim = SimulatedAcceptance(build_block_drafter(target, args.drafter_shape), profile, args.seed)
     ar_engine, spec_engine = Engine(target, graphs=graphs), Engine(target, sim, graphs=graphs)
-    warm_up([ar_engine, spec_engine], prompt, ())  # graph captures stay out of the timings
     result = profile_engines(
         ar_engine, spec_engine, [prompt], args.new_tokens, (), ceilings,
         rounds=args.rounds, simulated=True,

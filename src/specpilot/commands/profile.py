@@ -107,7 +107,6 @@ def run(args: argparse.Namespace) -> int:
         )
     from rich.console import Console
 
-    from specpilot.bench.runner import warm_up
     from specpilot.costmodel.hardware import measure_ceilings
     from specpilot.costmodel.profile_run import profile_engines
     from specpilot.costmodel.report import draw_chart, print_report, write_json
@@ -131,9 +130,8 @@ def run(args: argparse.Namespace) -> int:
         )
     with console.status("measuring ceilings"):
         ceilings = measure_ceilings(dep.device, dep.dtype, process_clock=args.clock == "process")
-    warm_up([ar_engine, spec_engine], encoded[0][-16:], dep.eos_ids)
     draft = dep.build.draft_model
-    with console.status(f"running {len(encoded)} prompts (AR and speculative), then components"):
+    with console.status(f"warm-up, {len(encoded)} prompts (AR and speculative), components"):
         result = profile_engines(
             ar_engine,
             spec_engine,

@@ -37,7 +37,7 @@ from specpilot.drafters.base import Drafter
 from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.draft_model import DraftModelDrafter
 from specpilot.drafters.simulated import SIM_LABEL, SimulatedAcceptance
-from specpilot.engine import Engine
+from specpilot.engine import Engine, generate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.models.layout import bucket_rows
 
@@ -152,6 +152,7 @@ def profile_engines(
     rounds: int = 5,
     clock: str = "wall",
     simulated: bool | None = None,
+    warmup: bool = True,
 ) -> ProfileResult:
     """Real run (AR and speculative, decode only, one prompt at a time) with rounds of
     component timings interleaved between prompts, at every verify width the engine can run and
@@ -160,9 +161,15 @@ def profile_engines(
     The speculative engine's phase timers are switched on for the run (``profile``; restored
     after). ``draft_cfg``: the draft model's shape for the draft roofline (default: read from
     the drafter; host drafters such as n-gram have roofline 0). ``simulated``: the drafter's
-    acceptance is simulated (default: detected); every label then says so."""
+    acceptance is simulated (default: detected); every label then says so. ``warmup``: decode
+    the longest prompt once with each engine first, so that graph captures (one per verify
+    width and attention bucket), Triton compiles and allocator growth stay out of the run."""
     if not prompts:
         raise ValueError("profile needs at least one prompt")
+    if warmup:
+        longest = max(prompts, key=len)
+        for engine in (ar_engine, spec_engine):
+            generate(engine, [longest], max_new_tokens, eos_ids)
     model = spec_engine.target
     sim = is_simulated(spec_engine.drafter) if simulated is None else simulated
     context = max(1, round(sum(len(p) for p in prompts) / len(prompts) + max_new_tokens / 2))
