@@ -400,6 +400,37 @@ def _profile_tiny(make_tiny):
     return result
 
 
+@pytest.mark.parametrize("plan_kind", ["packed", "tree"])
+def test_profile_of_packed_and_tree_plans(make_tiny, plan_kind):
+    """Packed and tree verifies: lossless, and their terms are timed at the rows they ran."""
+    from conftest import tiny_config
+    from specpilot.costmodel.profile_run import profile_engines
+    from specpilot.drafters import NgramDrafter
+    from specpilot.drafters.tree import TreeShape
+    from specpilot.engine import Engine
+    from specpilot.engine.plans import PackedPlan, TreePlan
+
+    model = make_tiny(tiny_config(layers=1, vocab=40), seed=7)
+    if plan_kind == "packed":
+        plan: PackedPlan | TreePlan = PackedPlan(bucket=4)
+    else:
+        plan = TreePlan(shape=TreeShape.uniform(depth=3, width=2, max_nodes=6))
+    spec = Engine(model, NgramDrafter(k=4 if plan_kind == "packed" else 3), plan=plan)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    ceilings = measure_ceilings(torch.device("cpu"), torch.float32, quick=True)
+    result = profile_engines(Engine(model), spec, [prompt], 20, (), ceilings, rounds=1)
+    run = result.extra["run"]
+    assert run["identical_to_ar"] == 1 and run["spec"]["rows_verified"] > 0
+    widths = result.extra["widths"]
+    ran = {int(v) for v in widths["run"].values()}
+    assert ran <= {int(w) for w in result.extra["forward_times"]}
+    if plan_kind == "packed":
+        assert ran <= {4, 5}  # 1 + d rounded up to the bucket of 4, capped at k + 1
+    else:
+        rows = run["spec"]["rows_verified"] / run["spec"]["cycles"]
+        assert ran == {max(1, round(rows))} and widths["roofline"] == widths["run"]
+
+
 def test_process_clock_run(make_tiny):
     from conftest import tiny_config
     from specpilot.costmodel.measure import run_engines
