@@ -433,7 +433,7 @@ def test_profile_of_packed_and_tree_plans(make_tiny, plan_kind):
 
 def test_process_clock_run(make_tiny):
     from conftest import tiny_config
-    from specpilot.costmodel.measure import run_engines
+    from specpilot.costmodel.run import run_engines
 
     model = make_tiny(tiny_config(layers=1, vocab=50), seed=3)
     prompt = [5, 6, 7, 8, 9] * 4

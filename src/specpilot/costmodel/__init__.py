@@ -8,7 +8,8 @@ Modules, one job each:
 * ``accounting`` — bytes, FLOPs and launches per component of a forward; roofline times;
 * ``acceptance`` — the per-position acceptance profile and E[tokens/cycle];
 * ``components`` — the engine's forward cut into components, as closures over its own pieces;
-* ``measure``    — component timings, and a real AR-vs-speculative run (decode only);
+* ``measure``    — component timings (the engine's pieces, eager or as CUDA-graph replays);
+* ``run``        — a real AR-vs-speculative run through ``generate`` (decode only, phase timers);
 * ``model``      — predicted / ceiling / measured speedup, prediction error, ranked gaps;
 * ``gaps``       — which mechanisms attack which component;
 * ``assemble``   — measured parts + accounting → a prediction;

@@ -25,13 +25,9 @@ from specpilot.costmodel.acceptance import AcceptanceCurve
 from specpilot.costmodel.accounting import block_drafter_work, draft_model_work, total
 from specpilot.costmodel.assemble import LoopCosts, assemble
 from specpilot.costmodel.hardware import Ceilings
-from specpilot.costmodel.measure import (
-    ForwardTimer,
-    measure_forwards,
-    run_engines,
-    time_device_accept,
-)
+from specpilot.costmodel.measure import ForwardTimer, measure_forwards, time_device_accept
 from specpilot.costmodel.model import Prediction, width_probs
+from specpilot.costmodel.run import run_engines
 from specpilot.costmodel.shapes import BlockDrafterSpec
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.block_drafter import BlockDrafter
