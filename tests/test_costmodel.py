@@ -1,6 +1,7 @@
 """The cost model: hand-computed bytes and FLOPs, the speedup algebra on synthetic timings, the
-acceptance formula against real counts, on-paper predictions, and the report files (JSON + PNG)
-from a real run of a tiny model on the CPU."""
+acceptance formula against real counts, on-paper predictions, the engine's forward pieces
+against the engine's own forward, the trial bound, and the report files (JSON + PNG) from a real
+run of the one engine on a tiny model (CPU; CUDA graphs when a GPU is present)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from specpilot.costmodel.accounting import (
     total,
     tree_verify,
 )
+from specpilot.costmodel.bound import FORMULA, cycle_bound, engine_speedup_bound
 from specpilot.costmodel.gaps import mechanisms_for
 from specpilot.costmodel.hardware import GPUS, Ceilings, gpu_spec, measure_ceilings
 from specpilot.costmodel.measure import measure_forward
@@ -238,7 +240,7 @@ def test_mechanism_map_names_every_component():
     # every planned name that is now registered shows as registered, never as planned
     statuses = {r.name: r.status for c in COMPONENTS for r in mechanisms_for(c)}
     assert statuses["two-level"] == "registered"
-    assert statuses["CUDA graphs"] == "engine" and statuses["static engine"] == "engine"
+    assert statuses["CUDA graphs"] == "engine" and statuses["static shapes"] == "engine"
     assert not any(name in MECHANISMS for name, st in statuses.items() if st == "planned")
 
 
@@ -267,6 +269,50 @@ def test_paper_predictions_are_labelled_and_sane():
 
 
 # ---------------------------------------------------------------------- measured, on the CPU
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+def _cache_copy(src):
+    from specpilot.models.kv_cache import KVCache
+
+    return KVCache([k.clone() for k in src.k], [v.clone() for v in src.v], src.lengths.clone())
+
+
+@pytest.mark.parametrize(
+    ("arch", "tokens", "context"), [("llama", 3, 20), ("qwen2", 1, 7), ("qwen3", 5, 0)]
+)
+def test_forward_pieces_compute_the_engine_forward(make_tiny, arch, tokens, context):
+    """The whole-forward piece is the engine's verify body: on the same cache it gives the
+    stock forward's argmax exactly (fp32), and the components cover the forward."""
+    from conftest import tiny_config
+    from specpilot.costmodel.components import forward_pieces, random_cache
+    from specpilot.models.forward import Forward
+
+    model = make_tiny(tiny_config(arch=arch, layers=2), seed=1)
+    cache = random_cache(model, 64, seed=4)
+    stock_cache = _cache_copy(cache)
+    pieces = forward_pieces(Forward(model), tokens, context, cache=cache, seed=2)
+    assert set(pieces.components) == {
+        "embedding", "attn_proj", "attn_kv", "mlp", "lm_head", "argmax",
+    }  # fmt: skip
+    with torch.inference_mode():
+        got = pieces.forward().clone()  # [1, T]
+        ids = torch.randint(
+            model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2)
+        )
+        stock_cache.commit(0, context)
+        want = model.forward_argmax(ids, stock_cache)
+        assert torch.equal(got, want)
+        end = context + tokens
+        for k_got, k_stock in zip(cache.k, stock_cache.k, strict=True):  # the same K/V written
+            assert torch.equal(k_got[:, :, :end], k_stock[:, :, :end])
+        for fn in pieces.components.values():  # every piece runs at these shapes ...
+            fn()
+    for k_got, k_stock in zip(cache.k, stock_cache.k, strict=True):  # ... writing past L only
+        assert torch.equal(k_got[:, :, :context], k_stock[:, :, :context])
+
+
 def test_component_timings_cover_the_forward(make_tiny):
     from conftest import tiny_config
 
@@ -274,36 +320,129 @@ def test_component_timings_cover_the_forward(make_tiny):
     ft = measure_forward(model, tokens=3, context=20, rounds=2)
     assert set(ft.components) == {"embedding", "attn_proj", "attn_kv", "mlp", "lm_head", "argmax"}
     assert all(t > 0 for t in ft.components.values()) and ft.forward_s > 0
-    st = measure_forward(model, tokens=3, context=20, path="static", rounds=2)
-    assert st.forward_s > 0 and set(st.components) == set(ft.components)
+    assert ft.overhead_s >= 0 and set(ft.as_terms()) == {*ft.components, "overhead"}
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        measure_forward(model, tokens=1, context=4, rounds=1, graphs=True)
+
+
+def test_an_argmax_head_is_timed_as_the_head():
+    """With an LM-head argmax installed, ``lm_head`` times that head (argmax included)."""
+    from conftest import tiny_config, tiny_model
+    from specpilot.costmodel.components import forward_pieces
+    from specpilot.models.forward import Forward
+
+    model = tiny_model(tiny_config(layers=1), seed=0)
+    calls = []
+
+    def head(h):  # [B, R, hidden] -> [B, R]
+        calls.append(h.shape)
+        return (h @ model.lm_head.t()).argmax(dim=-1)
+
+    model.argmax_head = head
+    pieces = forward_pieces(Forward(model), 2, 5)
+    assert "argmax" not in pieces.components
+    with torch.inference_mode():
+        pieces.components["lm_head"]()
+        pieces.forward()
+    assert calls == [(1, 2, model.cfg.hidden_size)] * 2
+
+
+def test_width_maps_follow_the_engine():
+    from types import SimpleNamespace
+
+    from specpilot.costmodel.profile_run import timed_widths, width_maps
+    from specpilot.engine.plans import ChainPlan, PackedPlan
+
+    host = SimpleNamespace(graph_safe=False)
+    eager = SimpleNamespace(
+        k=8, plan=ChainPlan(), runner=SimpleNamespace(use_graphs=False), drafter=host
+    )
+    run, roof, _ = width_maps(eager, [1, 3, 9], 0.0)  # type: ignore[arg-type]
+    assert run == roof == {1: 1, 3: 3, 9: 9}
+    assert timed_widths(eager) == list(range(1, 10))  # type: ignore[arg-type]
+    graphs = SimpleNamespace(
+        k=8, plan=ChainPlan(), runner=SimpleNamespace(use_graphs=True), drafter=host
+    )
+    run, roof, _ = width_maps(graphs, [1, 3, 5, 9], 0.0)  # type: ignore[arg-type]
+    assert run == {1: 1, 3: 4, 5: 8, 9: 9} and roof == {1: 1, 3: 3, 5: 5, 9: 9}
+    assert timed_widths(graphs) == [1, 2, 4, 8, 9]  # type: ignore[arg-type]
+    device = SimpleNamespace(
+        k=8,
+        plan=ChainPlan(),
+        runner=SimpleNamespace(use_graphs=True),
+        drafter=SimpleNamespace(graph_safe=True),
+    )
+    assert timed_widths(device) == [1, 9]  # type: ignore[arg-type]
+    packed = SimpleNamespace(
+        k=8, plan=PackedPlan(bucket=4), runner=SimpleNamespace(use_graphs=False), drafter=host
+    )
+    run, roof, _ = width_maps(packed, [1, 5, 9], 0.0)  # type: ignore[arg-type]
+    assert run == {1: 4, 5: 8, 9: 9} and roof == {1: 1, 5: 5, 9: 9}
+
+
+def _ngram_engines(model, k=4):
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine
+
+    return Engine(model), Engine(model, NgramDrafter(k=k))
 
 
 def _profile_tiny(make_tiny):
     from conftest import tiny_config
     from specpilot.costmodel.profile_run import profile_engines
-    from specpilot.drafters import NgramDrafter
-    from specpilot.engine import SpecEngine
 
     model = make_tiny(tiny_config(layers=2, vocab=50), seed=3)
     prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
     ceilings = measure_ceilings(torch.device("cpu"), torch.float32, quick=True)
-    ar, spec = SpecEngine(model), SpecEngine(model, NgramDrafter(k=4))
-    return profile_engines(ar, spec, [prompt, prompt[3:]], 24, (), ceilings, rounds=2)
+    ar, spec = _ngram_engines(model)
+    result = profile_engines(ar, spec, [prompt, prompt[3:]], 24, (), ceilings, rounds=2)
+    assert spec.profile is False  # the phase timers were on for the run only
+    return result
+
+
+@pytest.mark.parametrize("plan_kind", ["packed", "tree"])
+def test_profile_of_packed_and_tree_plans(make_tiny, plan_kind):
+    """Packed and tree verifies: lossless, and their terms are timed at the rows they ran."""
+    from conftest import tiny_config
+    from specpilot.costmodel.profile_run import profile_engines
+    from specpilot.drafters import NgramDrafter
+    from specpilot.drafters.tree import TreeShape
+    from specpilot.engine import Engine
+    from specpilot.engine.plans import PackedPlan, TreePlan
+
+    model = make_tiny(tiny_config(layers=1, vocab=40), seed=7)
+    if plan_kind == "packed":
+        plan: PackedPlan | TreePlan = PackedPlan(bucket=4)
+    else:
+        plan = TreePlan(shape=TreeShape.uniform(depth=3, width=2, max_nodes=6))
+    spec = Engine(model, NgramDrafter(k=4 if plan_kind == "packed" else 3), plan=plan)
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4]
+    ceilings = measure_ceilings(torch.device("cpu"), torch.float32, quick=True)
+    result = profile_engines(Engine(model), spec, [prompt], 20, (), ceilings, rounds=1)
+    run = result.extra["run"]
+    assert run["identical_to_ar"] == 1 and run["spec"]["rows_verified"] > 0
+    widths = result.extra["widths"]
+    ran = {int(v) for v in widths["run"].values()}
+    assert ran <= {int(w) for w in result.extra["forward_times"]}
+    if plan_kind == "packed":
+        assert ran <= {4, 5}  # 1 + d rounded up to the bucket of 4, capped at k + 1
+    else:
+        rows = run["spec"]["rows_verified"] / run["spec"]["cycles"]
+        assert ran == {max(1, round(rows))} and widths["roofline"] == widths["run"]
 
 
 def test_process_clock_run(make_tiny):
     from conftest import tiny_config
-    from specpilot.costmodel.measure import run_engines
-    from specpilot.drafters import NgramDrafter
-    from specpilot.engine import SpecEngine
+    from specpilot.costmodel.run import run_engines
 
     model = make_tiny(tiny_config(layers=1, vocab=50), seed=3)
     prompt = [5, 6, 7, 8, 9] * 4
-    ar, spec = SpecEngine(model), SpecEngine(model, NgramDrafter(k=3))
+    ar, spec = _ngram_engines(model, k=3)
     run = run_engines(ar, spec, [prompt], 16, (), clock="process")
     assert run.clock == "process" and run.ar.tokens == run.spec.tokens == 15
     # CPU seconds of the generation minus a prefill-only one: tiny here, clamped at 0.
     assert run.ar.seconds >= 0 and run.spec.seconds >= 0 and run.identical == 1
+    assert run.ar.cycles == 15 and 0 < run.spec.cycles <= 15
 
 
 def test_profile_run_json_and_chart_on_cpu(make_tiny, tmp_path):
@@ -313,8 +452,21 @@ def test_profile_run_json_and_chart_on_cpu(make_tiny, tmp_path):
     pred = result.prediction
     assert pred.acceptance.source == "measured" and pred.measured_speedup is not None
     assert pred.predicted_speedup is not None and pred.prediction_error is not None
-    assert pred.expected_tokens == pytest.approx(result.extra["checks"]["tau_measured"])
-    assert result.extra["run"]["identical_to_ar"] == 2
+    checks = result.extra["checks"]
+    assert pred.expected_tokens == pytest.approx(checks["tau_measured"])
+    assert result.extra["run"]["identical_to_ar"] == 2  # lossless, both prompts
+    run = result.extra["run"]
+    assert run["ar"]["tokens"] == run["spec"]["tokens"] == 2 * 23  # decode tokens, no prefill's
+    assert run["ar"]["cycles"] == 46 and run["spec"]["cycles"] < 46
+    # The engine's phase timers split the speculative decode time, and nothing is left out.
+    phases = run["spec"]["phases_s"]
+    assert phases["verify"] > 0 and phases["draft"] > 0 and phases["accept"] > 0
+    assert sum(phases.values()) == pytest.approx(run["spec"]["seconds"])
+    # The spec cycle's loop terms are the run's, per cycle; the verify comes from the pieces.
+    cyc = run["spec"]["cycles"]
+    assert pred.spec.term("draft").measured_s == pytest.approx(phases["draft"] / cyc)  # type: ignore[union-attr]
+    assert pred.spec.term("accept_commit").measured_s == pytest.approx(phases["accept"] / cyc)  # type: ignore[union-attr]
+    assert checks["ar_step_predicted_s"] >= checks["ar_step_in_run_s"] * (1 - 1e-9)
     print_report(pred)
     out_json, out_png = tmp_path / "p.json", tmp_path / "p.png"
     write_json(out_json, pred, result.extra)
@@ -322,8 +474,91 @@ def test_profile_run_json_and_chart_on_cpu(make_tiny, tmp_path):
     data = json.loads(out_json.read_text())
     assert data["prediction"]["label"] == "measured components, real acceptance"
     assert set(data["prediction"]["spec_cycle"]["terms"]) >= {"draft", "mlp", "overhead"}
-    assert "forward_times" in data and "ceilings" in data
+    assert "forward_times" in data and "ceilings" in data and data["acceptance"] == "real"
+    assert data["runner"] == "eager"
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_of_a_simulated_block_drafter_says_so(make_tiny, monkeypatch, capsys):
+    from conftest import tiny_config
+    from specpilot.costmodel.profile_run import profile_engines
+    from specpilot.costmodel.report import plain_table, print_report
+    from specpilot.drafters import BlockDrafter
+    from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
+    from specpilot.engine import Engine
+
+    model = make_tiny(tiny_config(layers=2, vocab=60), seed=5)
+    block = BlockDrafter(model, num_layers=1, block=5, num_context_layers=2)
+    sim = SimulatedAcceptance(block, AcceptanceProfile.parse("tau=3,block=5"), seed=1)
+    ceilings = measure_ceilings(torch.device("cpu"), torch.float32, quick=True)
+    prompt = list(range(3, 19))
+    result = profile_engines(
+        Engine(model), Engine(model, sim), [prompt], 30, (), ceilings, rounds=1
+    )
+    pred = result.prediction
+    assert pred.acceptance.source == "simulated" and SIM_LABEL in pred.label
+    assert result.extra["acceptance"] == "simulated" and result.extra["run"]["identical_to_ar"] == 1
+    assert pred.spec.term("draft").roofline_s > 0  # type: ignore[union-attr]  # the block's work
+    assert set(result.extra["forward_times"]) >= {"1", "5"}
+    monkeypatch.setenv("COLUMNS", "240")
+    print_report(pred, {"deployment": "tiny"})
+    out = capsys.readouterr().out.splitlines()
+    assert SIM_LABEL in next(ln for ln in out if "profile ·" in ln)  # the table's title
+    notes = ("target components", "draft /", "measured speedup", "every speculative")
+    table_rows = ("│", "┃", "┏", "┡", "└")
+    figures = [ln for ln in out if any(c.isdigit() for c in ln)]
+    for ln in figures:  # every other line with a figure says it
+        if not ln.lstrip().startswith(table_rows) and not ln.startswith(notes):
+            assert SIM_LABEL in ln, ln
+    assert any(SIM_LABEL in ln for ln in out if ln.startswith("every speculative"))
+    table = plain_table(pred).splitlines()
+    assert SIM_LABEL in table[-3] and SIM_LABEL in table[-1]
+
+
+def test_trial_bound_formula_and_engine(make_tiny):
+    from conftest import tiny_config
+    from specpilot.bench.protocol import speedup_bound
+
+    assert cycle_bound(3.0, 2e-3, 1.5e-3, 0.5e-3) == pytest.approx(3.0)
+    assert cycle_bound(3.0, 2e-3, 1.5e-3) == speedup_bound(3.0, 2e-3, 1.5e-3)
+    with pytest.raises(ValueError, match="at least 1"):
+        cycle_bound(0.5, 1e-3, 1e-3)
+    with pytest.raises(ValueError, match="times must be"):
+        cycle_bound(2.0, 0.0, 1e-3)
+
+    model = make_tiny(tiny_config(layers=1, vocab=40), seed=2)
+    _, spec = _ngram_engines(model, k=4)
+    with pytest.raises(ValueError, match="no rows open"):
+        engine_speedup_bound(spec, 2.0, 1e-3)
+    from specpilot.engine import generate
+
+    generate(spec, [[1, 2, 3, 1, 2, 3, 1, 2]], 6)
+    timed = []
+    real = spec.time_forward
+    spec.time_forward = lambda w, iters=20: timed.append(w) or real(w, 2)  # type: ignore[method-assign]
+    b = engine_speedup_bound(spec, 2.7, 4e-3, draft_s=1e-4)
+    assert timed == [2] and b.width == 2  # floor(tau): a floor for any mix of widths
+    assert b.bound == pytest.approx(2.7 * 4e-3 / (1e-4 + b.verify_s)) and b.verify_s > 0
+    assert engine_speedup_bound(spec, 5.0, 4e-3, width=5).width == 5
+    with pytest.raises(ValueError, match="width must lie"):
+        engine_speedup_bound(spec, 2.0, 1e-3, width=6)
+    assert b.to_dict()["formula"] == FORMULA and "bound" in b.text()
+
+
+def test_profile_forward_by_kernel_category(make_tiny):
+    from conftest import tiny_config
+    from specpilot.bench.gpu_profile import profile_forward
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine
+
+    model = make_tiny(tiny_config(layers=1, vocab=40), seed=2)
+    engine = Engine(model, NgramDrafter(k=3))
+    engine.open(1, 64)
+    engine.prefill([0], [[1, 2, 3, 4, 5]], [0], [5], [8])
+    out = profile_forward(engine, 4, reps=2)
+    assert out["width"] == 4 and out["kernel_s_total"] > 0 and out["kernels_per_forward"] > 0
+    with pytest.raises(ValueError, match="width must lie"):
+        profile_forward(engine, 6)
 
 
 def test_profile_cli_paper_and_measured(tmp_path, capsys):
@@ -357,14 +592,29 @@ def test_profile_cli_paper_and_measured(tmp_path, capsys):
          "--max-new-tokens", "8", "-k", "3", "--rounds", "1", "--json", str(js)]
     )  # fmt: skip
     out = capsys.readouterr().out
-    assert code == 0 and "measured" in out
+    assert code == 0 and "measured" in out and "simulated" not in out
     data = json.loads(js.read_text())
     assert data["mode"] == "measured" and data["run"]["prompts"] == 1
+    assert data["run"]["identical_to_ar"] == 1
+
+    sim = tmp_path / "s.json"
+    code = main(
+        ["profile", "--target", str(model), "--device", "cpu", "--prompts", "copy-heavy", "--limit", "1",
+         "--max-new-tokens", "8", "--drafter", "block", "--simulate-acceptance", "tau=2,block=4",
+         "--rounds", "1", "--json", str(sim)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "simulated acceptance" in out
+    data = json.loads(sim.read_text())
+    assert (
+        data["acceptance"] == "simulated" and "simulated acceptance" in data["prediction"]["label"]
+    )
+    assert "simulated acceptance" in data["deployment"]["drafter"]
+    code = main(["profile", "--target", str(model), "--device", "cpu", "--rounds", "0"])
+    assert code == 2 and "at least 1" in capsys.readouterr().err
 
 
 def test_gpu_profile_script_runs_tiny_on_cpu(tmp_path):
-    pytest.importorskip("specpilot.synthetic")
-    pytest.importorskip("specpilot.drafters.simulated")
     import importlib.util
     import sys
 
@@ -374,8 +624,71 @@ def test_gpu_profile_script_runs_tiny_on_cpu(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     sys.modules["profile_gpu"] = mod
     spec.loader.exec_module(mod)
-    result = mod.main(["--out", str(tmp_path), "--tiny"])
+    result = mod.main(["--out", str(tmp_path), "--tiny", "--rounds", "2", "--new-tokens", "24"])
     data = json.loads((tmp_path / "profile_gpu.json").read_text())
     assert data["label"].endswith("simulated acceptance")
     assert data["prediction"]["acceptance"]["source"] == "simulated"
+    assert data["run"]["identical_to_ar"] == 1
     assert result["prediction"]["predicted_speedup"] > 0
+
+
+# ---------------------------------------------------------------------- on CUDA graphs
+@needs_cuda
+def test_pieces_in_cuda_graphs_compute_the_engine_forward():
+    """Pieces captured in a CUDA graph (the engine's mode on CUDA: Triton kernels, bucketed
+    attention, the mask built on the device) replay the verify body: the same argmax and K/V as
+    the same Forward run eagerly over a copy of the cache."""
+    from conftest import tiny_config
+    from specpilot.costmodel.components import forward_pieces, random_cache
+    from specpilot.costmodel.measure import capture_graph, measure_forwards
+    from specpilot.models import Transformer
+    from specpilot.models.forward import Forward
+
+    dev = torch.device("cuda")
+    model = Transformer(tiny_config(arch="qwen3", layers=2), dtype=torch.float32, device=dev)
+    model.init_random(3, std=0.15)
+    fwd = Forward(model)
+    cache = random_cache(model, 256, seed=1)
+    eager_cache = _cache_copy(cache)
+    pieces = forward_pieces(fwd, 4, 30, graphs=True, cache=cache, seed=2)
+    assert pieces.attn_len == 128
+    with torch.inference_mode():
+        replay = capture_graph(pieces.forward, dev)
+        buf = pieces.forward()  # the persistent argmax buffer  [1, T]
+        assert isinstance(buf, torch.Tensor)
+        buf.zero_()
+        replay()
+        got = buf.clone()  # what the replay wrote
+        gen = torch.Generator().manual_seed(2)
+        ids = torch.randint(model.cfg.vocab_size, (1, 4), generator=gen).to(dev)
+        start = torch.tensor([30], device=dev)
+        want = fwd.argmax(fwd.dense(ids, eager_cache, start, 128))
+    assert torch.equal(got[0], want)
+    for k_got, k_eager in zip(cache.k, eager_cache.k, strict=True):
+        assert torch.equal(k_got[:, :, :34], k_eager[:, :, :34])
+    ft = measure_forwards(fwd, [1, 4], 30, rounds=2, graphs=True)
+    assert all(t.forward_s > 0 and all(v > 0 for v in t.components.values()) for t in ft.values())
+
+
+@needs_cuda
+def test_profile_on_cuda_graphs():
+    from conftest import tiny_config
+    from specpilot.costmodel.profile_run import profile_engines
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine, generate
+    from specpilot.models import Transformer
+
+    dev = torch.device("cuda")
+    model = Transformer(tiny_config(layers=2, vocab=50), dtype=torch.float32, device=dev)
+    model.init_random(3, std=0.15)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12] * 4
+    ar, spec = Engine(model), Engine(model, NgramDrafter(k=4))
+    assert ar.runner.use_graphs and spec.runner.use_graphs
+    ceilings = measure_ceilings(dev, torch.float32, quick=True)
+    result = profile_engines(ar, spec, [prompt], 40, (), ceilings, rounds=2)
+    assert result.extra["runner"] == "CUDA-graph replays"
+    assert result.extra["run"]["identical_to_ar"] == 1
+    assert all(int(w) in (1, 2, 4, 5) for w in result.extra["forward_times"])
+    b = engine_speedup_bound(spec, 2.0, 1e-3)
+    assert b.verify_s > 0
+    assert generate(spec, [prompt], 40)[0].tokens == generate(ar, [prompt], 40)[0].tokens

@@ -1,8 +1,10 @@
 """Where a target forward's GPU time goes: kernel time by category from torch.profiler.
 
-Runs the static forward eagerly (the same kernels a graph replays) a few times at a given width
-and context, and sums device time per kernel category. Comparing the sum with the graph replay
-time shows how much of a step is kernel work and how much is gaps between kernels.
+Runs the engine's verify forward eagerly (the same kernels its CUDA graph replays: the body of
+``Engine.time_forward``) a few times at a given width and the engine's committed context, and
+sums device time per kernel category. Comparing the sum with the graph replay time
+(``Engine.time_forward``) shows how much of a step is kernel work and how much is gaps between
+kernels.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any
 
 import torch
 
-from specpilot.engine.static_engine import StaticEngine
+from specpilot.engine import Engine
+from specpilot.models.layout import DenseLayout
 
 CATEGORIES = (
     ("gemm", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
@@ -30,14 +33,25 @@ def _category(name: str) -> str:
 
 
 @torch.inference_mode()
-def profile_forward(engine: StaticEngine, width: int, reps: int = 5) -> dict[str, Any]:
-    """Kernel time per forward of ``width`` tokens at ``engine``'s committed state, by category."""
+def profile_forward(engine: Engine, width: int, reps: int = 5) -> dict[str, Any]:
+    """Kernel time per forward of ``width`` tokens at ``engine``'s committed state, by category.
+    The engine's rows must be open (e.g. after a prefill); only scratch is written (K/V past the
+    committed length, the verify argmax)."""
     from torch.profiler import ProfilerActivity, profile
 
+    if not 1 <= width <= engine.k_max + 1:
+        raise ValueError(f"width must lie in 1..{engine.k_max + 1}, got {width}")
     st = engine.state
-    assert st is not None and width - 1 <= engine.k_max
-    attn_len = engine.bucket(max(engine.committed_lens()) + width - 1)
-    fn = engine._verify_fn(width - 1, attn_len)
+    attn_len = engine.bucket(max(engine.committed_lens()) - 1 + width)
+    fwd = engine.fwd
+
+    def fn() -> None:
+        block = torch.cat([st.pending[:, None], st.drafts[:, : width - 1]], dim=1)  # [B, W]
+        lay = DenseLayout.build(
+            st.committed_len - 1, width, attn_len, fwd.groups, engine.target.dtype
+        )
+        engine.forward_block(block, lay, st.verify_argmax, None)
+
     cuda = engine.device.type == "cuda"
     fn()
     if cuda:

@@ -1,8 +1,9 @@
 """``specpilot profile``: the deployment against its cost-model ceiling, gaps ranked.
 
-Measured mode runs the deployment (AR and speculative on a prompt set), times every component of
-the target forward in isolation, and prints predicted vs measured speedup, the ceiling, and the
-gaps with the mechanisms that attack them. ``--paper GPU --shape NAME`` predicts for a GPU from
+Measured mode runs the deployment on the one engine (stock AR and speculative on a prompt set,
+eager or from CUDA graphs as the deployment says), times every component of the engine's forward
+in isolation, and prints predicted vs measured speedup, the ceiling, and the gaps with the
+mechanisms that attack them. Under ``--simulate-acceptance`` every figure says so. ``--paper GPU --shape NAME`` predicts for a GPU from
 the datasheet table without running anything.
 """
 
@@ -96,15 +97,16 @@ def _run_paper(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.paper is not None:
         return _run_paper(args)
-    if args.repeats < 1 or args.rounds < 1:
-        raise SpecPilotError("--repeats and --rounds must be at least 1.")
+    if args.repeats < 1 or args.rounds < 1 or args.limit < 1 or args.max_new_tokens < 1:
+        raise SpecPilotError(
+            "--repeats, --rounds, --limit and --max-new-tokens must be at least 1."
+        )
     if args.clock == "process" and (args.threads or 0) != 1:
         raise SpecPilotError(
             "--clock process counts CPU seconds of all threads; use it with --threads 1."
         )
     from rich.console import Console
 
-    from specpilot.bench.runner import warm_up
     from specpilot.costmodel.hardware import measure_ceilings
     from specpilot.costmodel.profile_run import profile_engines
     from specpilot.costmodel.report import draw_chart, print_report, write_json
@@ -114,17 +116,22 @@ def run(args: argparse.Namespace) -> int:
     if args.clock == "process" and dep.device.type != "cpu":
         raise SpecPilotError("--clock process is for the CPU; GPU timings use CUDA events.")
     tok = dep.target.tokenizer
-    assert tok is not None
+    if tok is None:
+        raise SpecPilotError("profile needs the target's tokenizer to encode the prompt set.")
     prompts = load_prompt_set(args.prompts, args.limit)
     encoded = [tok.apply_chat_template(p.messages) for p in prompts]
     ar_engine, spec_engine = dep.engines()
-    for ids in encoded:
-        ar_engine.check_fits(len(ids), args.max_new_tokens)
+    longest = max(len(ids) for ids in encoded) + args.max_new_tokens
+    if longest > min(ar_engine.max_context, spec_engine.max_context):
+        raise SpecPilotError(
+            f"A prompt plus {args.max_new_tokens} new tokens needs {longest} tokens of context, "
+            f"more than this engine holds ({spec_engine.max_context}); lower --max-new-tokens "
+            "or --limit, or raise --max-context."
+        )
     with console.status("measuring ceilings"):
         ceilings = measure_ceilings(dep.device, dep.dtype, process_clock=args.clock == "process")
-    warm_up([ar_engine, spec_engine], encoded[0][-16:], dep.eos_ids)
     draft = dep.build.draft_model
-    with console.status(f"running {len(encoded)} prompts (AR and speculative), then components"):
+    with console.status(f"warm-up, {len(encoded)} prompts (AR and speculative), components"):
         result = profile_engines(
             ar_engine,
             spec_engine,
@@ -136,11 +143,13 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             rounds=args.rounds,
             clock=args.clock,
+            simulated=dep.build.simulated,
         )
     pred = result.prediction
     meta = dep.meta()
     header: dict[str, Any] = {
-        "deployment": f"{meta['target']} · {meta['drafter']} · {meta['dtype']} · {meta['device']}",
+        "deployment": f"{meta['target']} · {meta['drafter']} · {meta['dtype']} · {meta['device']} "
+        f"· {meta['runner']}",
         "prompts": f"{args.prompts} × {len(encoded)}, {args.max_new_tokens} new tokens",
         "ceilings": f"{ceilings.bandwidth_Bps / 1e9:.1f} GB/s copy (r+w), "
         f"{ceilings.matmul_flops / 1e9:.1f} GFLOP/s matmul, {ceilings.launch_s * 1e6:.2f} us/launch "

@@ -8,6 +8,12 @@ Where each term comes from (per cycle):
 * ``draft``, ``accept_commit``, loop ``overhead``: the engine's own phase timers from the real
   run (``LoopCosts``), since they are host work or small kernels that do not exist in isolation;
   rooflines: the drafter's accounting (n-gram: 0, host only) and ``accept_work``.
+
+Widths: a draft of length d needs a forward of ``w = 1 + d`` tokens, but the engine may run a
+wider one (CUDA graphs round a chain up to a power of two; packed and tree plans round rows up
+to their bucket). ``run_width[w]`` is the forward the engine ran (its measured terms) and
+``roof_width[w]`` the forward the roofline counts (default: both ``w``), so padding shows up as
+a gap, not as a cheaper ceiling.
 """
 
 from __future__ import annotations
@@ -56,19 +62,24 @@ def assemble(
     measured_speedup: float | None = None,
     accept_launches: float = 10,
     notes: tuple[str, ...] = (),
+    run_width: Mapping[int, int] | None = None,
+    roof_width: Mapping[int, int] | None = None,
 ) -> Prediction:
-    """The prediction for one deployment from its measured parts (see the module docstring)."""
+    """The prediction for one deployment from its measured parts (see the module docstring).
+    Widths missing from ``run_width`` / ``roof_width`` map to themselves; the AR step is a
+    forward of width 1."""
     probs = width_probs(curve)
-    missing = sorted((set(probs) | {1}) - set(forward_times))
+    run = {w: (run_width or {}).get(w, w) for w in probs}
+    roof_at = {w: (roof_width or {}).get(w, w) for w in probs}
+    missing = sorted((set(run.values()) | {1}) - set(forward_times))
     if missing:
         raise ValueError(f"no forward timings at widths {missing}")
-    widths = sorted(set(probs) | {1})
-    roof = verify_rooflines(cfg, widths, context, elem_bytes, ceilings)
-    meas = {w: forward_times[w].as_terms() for w in widths}
+    needed = sorted(set(roof_at.values()) | {1})
+    rooflines = verify_rooflines(cfg, needed, context, elem_bytes, ceilings)
     ar = build_cycle(
         {1: 1.0},
-        roof,
-        meas,
+        {1: rooflines[1]},
+        {1: forward_times[1].as_terms()},
         draft=(0.0, ar_loop.draft_s),
         accept_commit=(
             accept_work(0, launches=accept_launches).roofline_s(ceilings),
@@ -78,8 +89,8 @@ def assemble(
     )
     spec = build_cycle(
         probs,
-        roof,
-        meas,
+        {w: rooflines[roof_at[w]] for w in probs},
+        {w: forward_times[run[w]].as_terms() for w in probs},
         draft=(draft_roofline_s, spec_loop.draft_s),
         accept_commit=(
             accept_work(curve.k, launches=accept_launches).roofline_s(ceilings),

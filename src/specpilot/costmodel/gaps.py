@@ -1,9 +1,9 @@
 """Which mechanisms attack which cost-model component.
 
 Registered mechanisms (``specpilot.mechanisms.MECHANISMS``) declare their component; they are
-listed first. The rest is a static map: what the CUDA-graph engine does by construction (CUDA
-graphs, static shapes, fused kernels, device accept: status ``engine``, chosen by running the
-static engine rather than by a registry entry), and what is not built yet (``planned``).
+listed first. The rest is a static map: what the one engine does by construction (CUDA graphs,
+static shapes, fused kernels, device accept: status ``engine``, on by default on CUDA rather than
+a registry entry), and what is not built yet (``planned``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ PLANNED: dict[str, tuple[tuple[str, str, str], ...]] = {
     ),
     "overhead": (
         ("CUDA graphs", "cuda-graphs", "one replay per phase instead of one launch per op"),
-        ("static engine", "static-engine", "static shapes, no host sync inside a cycle"),
+        ("static shapes", "static-shapes", "fixed shapes per graph key, no host sync in a cycle"),
         (
             "kernel fusion",
             "kernel-fusion",
@@ -59,16 +59,16 @@ PLANNED: dict[str, tuple[tuple[str, str, str], ...]] = {
 """Component → (label, registry name it will have, what it does) of the mechanisms that attack
 it. Once a mechanism of that registry name is registered, it is listed as registered instead."""
 
-ENGINE_PATH = frozenset({"cuda-graphs", "static-engine", "kernel-fusion", "device-accept"})
-"""Built into the CUDA-graph engine (``engine/static_engine.py``), not registry entries."""
+ENGINE_PATH = frozenset({"cuda-graphs", "static-shapes", "kernel-fusion", "device-accept"})
+"""Built into the one engine (``engine/runner.py``, ``engine/accept.py``, ``models/forward.py``),
+not registry entries."""
 
 
 @dataclass(frozen=True, slots=True)
 class MechanismRef:
     name: str
     status: str
-    """``registered`` (in the mechanism registry), ``engine`` (the CUDA-graph engine's own) or
-    ``planned``."""
+    """``registered`` (in the mechanism registry), ``engine`` (the engine's own) or ``planned``."""
     detail: str = ""
 
 

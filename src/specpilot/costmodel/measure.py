@@ -1,13 +1,10 @@
-"""Measurements: per-component times of the real model, and a real AR-vs-speculative run.
+"""Measurements: per-component times of the engine's forward (the run itself: ``costmodel/run.py``).
 
-Component times come from the closures of ``components`` (the model's own weights, the step's
-shapes), timed in interleaved rounds so that a noisy machine (shared CPU cores) shifts every
-component alike, and summarised by the median. CPU: ``perf_counter`` around single calls.
-CUDA: each closure is captured in a CUDA graph (the engine's mode) and replayed between events.
-
-The run (:func:`run_engines`) decodes every prompt with the stock AR engine and the speculative
-engine, alternating, and keeps decode-only figures (prefill excluded, its token not counted):
-tokens, wall seconds, cycles and the engine's phase timers, plus the acceptance counts.
+Component times come from the closures of ``components`` (the engine's own :class:`Forward`,
+the step's shapes), timed in interleaved rounds so that a noisy machine (shared CPU cores) shifts
+every component alike, and summarised by the median. CPU: ``perf_counter`` around single calls.
+CUDA (the engine replays graphs): each closure is captured in a CUDA graph and replayed in bursts
+between events; eager on CUDA (``--no-graphs``): the same bursts without capture.
 """
 
 from __future__ import annotations
@@ -15,14 +12,22 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from specpilot.costmodel.components import ForwardPieces, Thunk, eager_pieces, static_pieces
-from specpilot.engine import AcceptanceStats, SpecEngine
-from specpilot.engine.loop import PhaseTimes
+from specpilot.costmodel.components import (
+    ForwardPieces,
+    Thunk,
+    attention_length,
+    forward_pieces,
+    random_cache,
+)
+from specpilot.engine import Engine
+from specpilot.engine.accept import accept_and_commit
+from specpilot.engine.rows import RowState
+from specpilot.models.forward import Forward
 from specpilot.models.transformer import Transformer
 from specpilot.timing import time_burst
 
@@ -55,11 +60,11 @@ class ForwardTimes:
         }
 
 
-def _graph(fn: Thunk, device: torch.device, pool: Any = None) -> Thunk:
+def capture_graph(fn: Thunk, device: torch.device, pool: Any = None) -> Thunk:
     """Capture ``fn`` in a CUDA graph (after a warm-up on a side stream); returns its replay.
 
     ``pool``: a ``torch.cuda.graph_pool_handle()`` shared by graphs that replay one at a time on
-    one stream (as the engine's :class:`~specpilot.engine.cuda_graphs.GraphRunner` does)."""
+    one stream (as the engine's :class:`~specpilot.engine.runner.Runner` does)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -95,56 +100,84 @@ def time_rounds(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def as_forward(source: Forward | Transformer) -> Forward:
+    """The forward to time: an engine's ``fwd``, or a model's default one (what
+    ``Engine(model)`` builds: fused Triton kernels on CUDA, torch references on the CPU)."""
+    return source if isinstance(source, Forward) else Forward(source)
+
+
 class ForwardTimer:
-    """Component and whole-forward timings of ``model`` at several widths and one context.
+    """Component and whole-forward timings of a :class:`Forward` at several widths, one context.
 
     Each :meth:`round` takes one sample of every (width, component) and of every whole forward;
     :meth:`results` keeps the medians. Rounds can be interleaved with a real run (``profile``
-    does, between prompts) so that a shared, noisy machine affects both alike.
-    ``path``: ``eager`` (SpecEngine's forward) or ``static`` (the CUDA-graph engine's forward;
-    captured in graphs on CUDA).
+    does, between prompts) so that a shared, noisy machine affects both alike. ``graphs``: time
+    the pieces as CUDA-graph replays, as the engine runs them (default: on CUDA);
+    :meth:`for_engine` takes the forward, runner mode and attention bucket of an engine.
 
-    On CUDA every width's pieces are built first (in ``__init__``); each round then captures one
-    width's pieces in graphs, replays, times and drops them before the next width is captured.
-    The earlier order (build width 1, capture it, then build and capture width 17, then replay
-    width 1) crashed on the H200 with an illegal memory access in width 1's first GEMM piece
-    (llama3-8b, 32 layers; 2 layers or one width did not). Building every piece before any
-    capture did not crash, with or without a fixed cuBLAS workspace; the root cause is not
-    pinned down (``bench/graph_capture_check.py`` holds the variants and their results).
-    Capture costs milliseconds per piece and stays outside the timed bursts.
+    Under graphs every width's pieces are built first (in ``__init__``); each round then captures
+    one width's pieces, replays, times and drops them before the next width is captured. The
+    other order (build width 1, capture it, then build and capture width 17, then replay width 1)
+    crashed on the H200 with an illegal memory access in width 1's first GEMM piece (llama3-8b,
+    32 layers; 2 layers or one width did not), with the old static forward; building every piece
+    before any capture did not crash (``bench/graph_capture_check.py``). Capture costs
+    milliseconds per piece and stays outside the timed bursts.
     """
 
     def __init__(
         self,
-        model: Transformer,
+        source: Forward | Transformer,
         widths: Sequence[int],
         context: int,
-        path: str = "eager",
+        graphs: bool | None = None,
+        attn_bucket: int = 128,
         clock: str = "wall",
-        graphs: bool = True,
+        capacity: int | None = None,
     ) -> None:
-        if path not in ("eager", "static"):
-            raise ValueError(f"path must be eager or static, got {path!r}")
-        self.model, self.context, self.path, self.clock = model, context, path, clock
-        self.device = model.device
-        self.iters = 10 if self.device.type == "cuda" else 1
-        self.graphs = path == "static" and self.device.type == "cuda" and graphs
+        """``capacity``: KV slots of the cache the pieces attend over (the engine's slots;
+        default: the widest forward's attention length). One cache serves every width."""
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
+        self.fwd = as_forward(source)
+        self.context, self.clock = context, clock
+        self.device = self.fwd.model.device
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        if self.graphs and not cuda:
+            raise ValueError("CUDA graphs need a CUDA device; time eagerly on the CPU.")
+        self.attn_bucket = attn_bucket
+        self.iters = 10 if cuda else 1
         self._fns: dict[int, dict[str, Thunk]] = {}
+        self.attn_lens: dict[int, int] = {}
+        widest = attention_length(max(widths), context, self.graphs, attn_bucket)
         with torch.inference_mode():
+            cache = random_cache(self.fwd.model, capacity or widest)
             for w in sorted(set(widths)):
-                pieces: ForwardPieces = (
-                    eager_pieces(model, w, context)
-                    if path == "eager"
-                    else static_pieces(model, w, context)
+                pieces: ForwardPieces = forward_pieces(
+                    self.fwd, w, context, self.graphs, attn_bucket, cache=cache
                 )
                 fns = {**pieces.components, "__forward__": pieces.forward}
                 for fn in fns.values():  # warm-up (Triton JIT, cuBLAS handles)
                     fn()
                 self._fns[w] = fns
+                self.attn_lens[w] = pieces.attn_len
         self._samples: dict[int, dict[str, list[float]]] = {
             w: {name: [] for name in fns} for w, fns in self._fns.items()
         }
         self.rounds = 0
+
+    @classmethod
+    def for_engine(
+        cls, engine: Engine, widths: Sequence[int], context: int, clock: str = "wall"
+    ) -> ForwardTimer:
+        """The pieces ``engine`` runs: its forward, its runner's mode, its attention bucket, a
+        cache as long as its rows' (``engine.slots``)."""
+        graphs, bucket = engine.runner.use_graphs, engine.attn_bucket
+        return cls(engine.fwd, widths, context, graphs, bucket, clock, engine.slots)
+
+    @property
+    def widths(self) -> list[int]:
+        return list(self._fns)
 
     @torch.inference_mode()
     def round(self) -> None:
@@ -152,7 +185,7 @@ class ForwardTimer:
             runs = fns
             if self.graphs:
                 pool = torch.cuda.graph_pool_handle()
-                runs = {name: _graph(fn, self.device, pool) for name, fn in fns.items()}
+                runs = {name: capture_graph(fn, self.device, pool) for name, fn in fns.items()}
                 for run in runs.values():
                     run()
             for name, run in runs.items():
@@ -172,198 +205,44 @@ class ForwardTimer:
 
 
 def measure_forward(
-    model: Transformer, tokens: int, context: int, path: str = "eager", rounds: int = 5
+    source: Forward | Transformer,
+    tokens: int,
+    context: int,
+    rounds: int = 5,
+    graphs: bool | None = None,
 ) -> ForwardTimes:
-    """Per-component and whole-forward times of one forward shape on ``model``."""
-    return measure_forwards(model, [tokens], context, path, rounds)[tokens]
+    """Per-component and whole-forward times of one forward shape."""
+    return measure_forwards(source, [tokens], context, rounds, graphs=graphs)[tokens]
 
 
 def measure_forwards(
-    model: Transformer,
+    source: Forward | Transformer,
     widths: Sequence[int],
     context: int,
-    path: str = "eager",
     rounds: int = 5,
     clock: str = "wall",
-    graphs: bool = True,
+    graphs: bool | None = None,
+    attn_bucket: int = 128,
+    capacity: int | None = None,
 ) -> dict[int, ForwardTimes]:
-    timer = ForwardTimer(model, widths, context, path, clock, graphs)
+    timer = ForwardTimer(source, widths, context, graphs, attn_bucket, clock, capacity)
     for _ in range(rounds):
         timer.round()
     return timer.results()
 
 
 @torch.inference_mode()
-def time_greedy_verify(
-    k: int, device: torch.device, rounds: int = 20, clock: str = "wall"
+def time_device_accept(
+    k: int, device: torch.device, rounds: int = 5, graphs: bool | None = None, clock: str = "wall"
 ) -> float:
-    """Seconds of one ``greedy_verify`` over k drafts (the accept step's device work)."""
-    from specpilot.engine.verify import greedy_verify
-
-    drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
-    lens = torch.full((1,), k, dtype=torch.int64, device=device)
-    argmax = torch.zeros(1, k + 1, dtype=torch.int64, device=device)
-
-    def fn() -> object:
-        out = greedy_verify(drafts, lens, argmax)
-        return out.accepted_len.tolist(), out.bonus.tolist()
-
-    return time_rounds({"v": fn}, device, rounds, clock=clock)["v"]
-
-
-# ---------------------------------------------------------------------- a real run
-@dataclass(slots=True)
-class EngineRun:
-    """Decode-only totals of one engine over a prompt set (medians over repeats per prompt)."""
-
-    tokens: int = 0
-    """Decode tokens: committed tokens after prefill's first."""
-    seconds: float = 0.0
-    cycles: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
-    """Seconds in the engine's phases during decode: draft, verify, commit."""
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def per_cycle(self, phase: str) -> float:
-        return self.phases.get(phase, 0.0) / self.cycles if self.cycles else 0.0
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "tokens": self.tokens,
-            "seconds": self.seconds,
-            "cycles": self.cycles,
-            "tok_s": self.tok_s,
-            "phases_s": dict(self.phases),
-        }
-
-
-@dataclass(slots=True)
-class RunMeasurement:
-    ar: EngineRun
-    spec: EngineRun
-    stats: AcceptanceStats
-    """Acceptance counts of the speculative engine (first repeat)."""
-    mean_context: float
-    """Mean committed length at a decode step (prompt + half the generated tokens)."""
-    prompts: int
-    identical: int
-    """Prompts whose speculative tokens equal AR's."""
-    repeats: int
-    clock: str = "wall"
-
-    @property
-    def measured_speedup(self) -> float:
-        return self.spec.tok_s / self.ar.tok_s if self.ar.tok_s else 0.0
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "ar": self.ar.to_dict(),
-            "spec": self.spec.to_dict(),
-            "measured_speedup": self.measured_speedup,
-            "acceptance": self.stats.to_dict(),
-            "mean_context": self.mean_context,
-            "prompts": self.prompts,
-            "identical_to_ar": self.identical,
-            "repeats": self.repeats,
-            "clock": self.clock,
-            "note": "decode only (prefill and its token excluded); medians over repeats",
-        }
-
-
-def _decode_once(
-    engine: SpecEngine, ids: Sequence[int], max_new: int, eos: Sequence[int], clock: str
-) -> tuple[list[int], AcceptanceStats, float, dict[str, float]]:
-    """One generation: (tokens, stats, decode seconds, phase seconds during decode).
-
-    ``wall``: the engine's own phase timers (prefill excluded). ``process``: CPU seconds of the
-    generation minus those of a prefill-only generation of the same prompt; the (small) draft
-    and commit phases are scaled from wall to CPU time by the same ratio.
-    """
-    engine.times = PhaseTimes()
-    now = CLOCKS[clock]
-    c0 = now()
-    res = engine.generate([ids], max_new, eos)[0]
-    cpu = now() - c0
-    t = engine.times
-    wall = t.total() - t.prefill
-    phases = {"draft": t.draft, "verify": t.verify, "commit": t.commit}
-    if clock == "wall":
-        return res.tokens, res.stats, wall, phases
-    c0 = now()
-    engine.generate([ids], 1, eos)  # prefill and its token only
-    decode = max(cpu - (now() - c0), 0.0)
-    scale = decode / wall if wall else 1.0
-    return res.tokens, res.stats, decode, {k: v * scale for k, v in phases.items()}
-
-
-def run_engines(
-    ar_engine: SpecEngine,
-    spec_engine: SpecEngine,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    eos_ids: Sequence[int],
-    repeats: int = 1,
-    between: Callable[[], None] | None = None,
-    clock: str = "wall",
-) -> RunMeasurement:
-    """Decode each prompt with AR then speculative, ``repeats`` times, alternating;
-    ``between()`` runs after every (prompt, repeat) pair (e.g. a round of component timings)."""
-    ar, spec = EngineRun(), EngineRun()
-    stats = AcceptanceStats()
-    identical, ctx_sum, ctx_n = 0, 0.0, 0
-    for ids in prompts:
-        per: dict[str, list[tuple[float, dict[str, float], int, int]]] = {"ar": [], "spec": []}
-        toks: dict[str, list[int]] = {}
-        for rep in range(repeats):
-            for name, engine in (("ar", ar_engine), ("spec", spec_engine)):
-                tokens, st, decode_s, phases = _decode_once(
-                    engine, ids, max_new_tokens, eos_ids, clock
-                )
-                per[name].append((decode_s, phases, st.cycles, len(tokens) - 1))
-                toks[name] = tokens
-                if name == "spec" and rep == 0:
-                    stats.merge(st)
-            if between is not None:
-                between()
-        identical += int(toks["ar"] == toks["spec"])
-        n_new = len(toks["spec"])
-        ctx_sum += (len(ids) + n_new / 2) * n_new
-        ctx_n += n_new
-        for name, run in (("ar", ar), ("spec", spec)):
-            rows = per[name]
-            run.seconds += statistics.median(r[0] for r in rows)
-            for phase in ("draft", "verify", "commit"):
-                run.phases[phase] = run.phases.get(phase, 0.0) + statistics.median(
-                    r[1][phase] for r in rows
-                )
-            run.cycles += rows[0][2]
-            run.tokens += rows[0][3]
-    return RunMeasurement(
-        ar=ar,
-        spec=spec,
-        stats=stats,
-        mean_context=ctx_sum / ctx_n if ctx_n else 0.0,
-        prompts=len(prompts),
-        identical=identical,
-        repeats=repeats,
-        clock=clock,
-    )
-
-
-@torch.inference_mode()
-def time_device_accept(k: int, device: torch.device, rounds: int = 5) -> float:
-    """Seconds of the static engine's on-device accept + commit over k drafts (a CUDA graph on
-    a GPU, as the engine replays it)."""
-    from specpilot.engine.device_state import DecodeState, accept_and_commit
-
-    st = DecodeState.allocate(1, 256, max(k, 1), device)
+    """Seconds of the engine's on-device accept + commit over ``k`` drafts of one row
+    (``engine/accept.py``; a CUDA-graph replay on CUDA unless ``graphs=False``)."""
+    st = RowState.allocate(1, 256, max(k, 1), device)
     st.active.fill_(1)
 
     def fn() -> None:  # commits grow committed_len; writes past the capacity are clamped
         accept_and_commit(st, k)
 
-    run: Thunk = _graph(fn, device) if device.type == "cuda" else fn
-    return time_rounds({"a": run}, device, rounds, iters=10)["a"]
+    use_graphs = device.type == "cuda" if graphs is None else graphs
+    run: Thunk = capture_graph(fn, device) if use_graphs else fn
+    return time_rounds({"a": run}, device, rounds, iters=10, clock=clock)["a"]

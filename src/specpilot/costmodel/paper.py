@@ -47,9 +47,9 @@ class PaperAssumptions:
     launch_s: float = 1.5e-6
     """Per kernel inside a CUDA graph."""
     cycle_overhead_s: float = 15e-6
-    """Host work and the one device→host copy per speculative cycle (static engine)."""
+    """Host work and the one device→host copy per speculative cycle (the engine on CUDA graphs)."""
     ar_overhead_s: float = 1e-6
-    """Per AR step (the static engine reads tokens back once per 16 steps)."""
+    """Per AR step (the engine on CUDA reads tokens back once per 16 steps)."""
     bandwidth_fraction: float = H200_MEASURED_BANDWIDTH_FRACTION
     matmul_fraction: float = H200_MEASURED_MATMUL_FRACTION
 

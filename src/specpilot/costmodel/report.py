@@ -32,12 +32,28 @@ def _x(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}×"
 
 
+def _tag(pred: Prediction) -> str:
+    """`` · simulated acceptance`` for a prediction from simulated acceptance, else ``""``:
+    every figure of such a run says so where it is printed."""
+    from specpilot.drafters.simulated import SIM_LABEL
+
+    return f" · {SIM_LABEL}" if pred.acceptance.source == "simulated" else ""
+
+
 def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None:
     """A rich table of the cycle (roofline vs measured per component) and the speedups."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    tag = _tag(pred)
+
+    def tagged(line: str) -> str:  # every figure line of a simulated run says so
+        return line + tag if tag and tag.removeprefix(" · ") not in line else line
+
+    def say(line: str) -> None:
+        console.print(tagged(line))
+
     e = pred.expected_tokens
     gaps = {g.component: g for g in pred.gaps()}
     title = f"profile · {pred.label} · ms per AR step / per cycle, lost ms per token"
@@ -76,7 +92,7 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
     )
     console.print(table)
     src = pred.acceptance.source
-    console.print(
+    say(
         f"E[tokens/cycle] = {e:.3f} (bonus included; {src} acceptance, "
         f"k = {pred.acceptance.k}, mean draft length {pred.acceptance.expected_draft_len():.2f})"
     )
@@ -88,9 +104,9 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
             if err is not None
             else ""
         )
-    console.print(line)
+    say(line)
     ts = pred.tok_s()
-    console.print(
+    say(
         "tok/s: AR "
         + (f"{ts['ar_predicted']:.1f}" if ts["ar_predicted"] else "-")
         + f" (ceiling {ts['ar_ceiling']:.1f}), speculative "
@@ -99,14 +115,14 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
     )
     ranked = pred.gaps()[:5]
     if ranked:
-        console.print("largest gaps (time lost per generated token):")
+        say(f"largest gaps (time lost per generated token{tag.replace(' ·', ';')}):")
         for i, g in enumerate(ranked, 1):
             names = ", ".join(f"{m.name} ({m.status})" for m in g.mechanisms[:3]) or "none known"
-            console.print(
+            say(
                 f"  {i}. {g.component:<13} {g.lost_s_per_token * 1e3:8.3f} ms ({g.share:5.1%})  → {names}"
             )
     for key, val in (header or {}).items():
-        console.print(f"[dim]{key}: {val}[/]")
+        console.print(f"[dim]{key}: {val}[/]")  # inputs (prompts, hardware), not run figures
     for note in pred.notes:
         console.print(f"[dim]{note}[/]")
 
@@ -189,9 +205,13 @@ def draw_chart(path: Path, pred: Prediction, subtitle: str = "") -> None:
     lines = [f"E[tokens/cycle] = {e:.2f} (bonus incl., {pred.acceptance.source} acceptance)"]
     lines.append(
         f"speedup: predicted {_x(pred.predicted_speedup)}, ceiling {_x(pred.ceiling_speedup)}"
+        + _tag(pred)
     )
     if pred.measured_speedup is not None and pred.prediction_error is not None:
-        lines.append(f"measured {_x(pred.measured_speedup)} (error {pred.prediction_error:+.1%})")
+        lines.append(
+            f"measured {_x(pred.measured_speedup)} (error {pred.prediction_error:+.1%})"
+            + _tag(pred)
+        )
     ax2.set_title("\n".join(lines), fontsize=10)
     ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax2.grid(axis="y", alpha=0.3)
@@ -228,7 +248,7 @@ def plain_table(pred: Prediction) -> str:
     )
     if pred.measured_speedup is not None and pred.prediction_error is not None:
         line += f", measured {_x(pred.measured_speedup)}, error {pred.prediction_error:+.1%}"
-    rows.append(line)
+    rows.append(line + _tag(pred))
     top = pred.gaps()[:3]
     if top:
         rows.append(
@@ -238,6 +258,7 @@ def plain_table(pred: Prediction) -> str:
                 + ", ".join(m.name for m in g.mechanisms[:2])
                 for g in top
             )
+            + _tag(pred)
         )
     rows.append(pred.label)
     return "\n".join(rows)

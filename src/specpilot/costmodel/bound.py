@@ -1,0 +1,95 @@
+"""The most speedup the cost model allows a trial, from its measured τ and its timed forward.
+
+A speculative cycle commits τ tokens on average (bonus included) and costs
+``t_draft + t_verify + t_other`` with every term non-negative; the baseline commits one token
+per ``t_AR``. So
+
+    speedup ≤ τ · t_AR / (t_draft + t_verify + t_other) ≤ τ · t_AR / (t_draft + t_verify)
+
+with ``t_other ≥ 0`` dropped (host bookkeeping, read-back, idle time). ``t_verify`` is the
+engine's own target forward (``Engine.time_forward(width)``: the verify step replayed as a cycle
+replays it, CUDA graph included), ``t_draft`` what the caller knows of the draft (0 when
+unknown, which only loosens the bound). The arithmetic is
+:func:`specpilot.bench.protocol.speedup_bound`, the one every speed comparison uses.
+
+Which width: a cycle that commits c tokens verifies at least c, so its mean width is at least
+τ. When the forward's time is non-decreasing and convex in its width (flat while memory-bound,
+then rising: GPUs; roughly affine: CPUs), Jensen gives ``E[t(W)] ≥ t(τ) ≥ t(⌊τ⌋)``; the
+default width ``⌊τ⌋`` keeps the bound an upper bound for any mix of widths. A drafter that
+always drafts k tokens verifies ``k + 1`` every cycle: pass that width for a tighter bound.
+
+The forward is timed at the engine's committed state: mid-run it sees the run's context; on
+idle rows (after ``generate``) a context of a few tokens, a cheaper forward and so a looser
+bound, never a wrong one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from specpilot.bench.protocol import speedup_bound
+from specpilot.engine import Engine
+
+FORMULA = "tau * t_AR / (t_draft + t_verify + t_other), t_other >= 0"
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedupBound:
+    """A trial's speedup ceiling and what it was computed from (seconds)."""
+
+    tau: float
+    """Mean committed tokens per cycle, bonus included."""
+    ar_step_s: float
+    """The baseline's seconds per token."""
+    verify_s: float
+    """One target forward of ``width`` tokens per row, as the engine runs it."""
+    draft_s: float
+    width: int
+    bound: float
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {**asdict(self), "formula": FORMULA}
+
+    def text(self) -> str:
+        return (
+            f"bound {self.bound:.2f}x = tau {self.tau:.2f} x AR {self.ar_step_s * 1e3:.3f} ms / "
+            f"(draft {self.draft_s * 1e3:.3f} + verify[{self.width}] {self.verify_s * 1e3:.3f} ms)"
+        )
+
+
+def cycle_bound(tau: float, ar_step_s: float, verify_s: float, draft_s: float = 0.0) -> float:
+    """``tau · t_AR / (t_draft + t_verify)``: the bound with ``t_other`` at its floor, 0."""
+    if tau < 1.0:
+        raise ValueError(f"tau counts the bonus token, so it is at least 1; got {tau}")
+    if ar_step_s <= 0 or verify_s < 0 or draft_s < 0:
+        raise ValueError("times must be positive (t_AR) or non-negative (t_verify, t_draft)")
+    return speedup_bound(tau, ar_step_s, draft_s + verify_s)
+
+
+def engine_speedup_bound(
+    engine: Engine,
+    tau: float,
+    ar_step_s: float,
+    width: int | None = None,
+    draft_s: float = 0.0,
+    iters: int = 20,
+) -> SpeedupBound:
+    """The cost model's ceiling on ``engine``'s speedup over a baseline of ``ar_step_s`` per
+    token, at the measured ``tau`` (module docstring). ``width``: the verify width to time
+    (default ``⌊tau⌋``, at most the engine's widest verify); the engine's rows must be open."""
+    if engine.cache is None:
+        raise ValueError("the engine has no rows open; run it (or call open/prefill) first")
+    widest = engine.k_max + 1
+    w = max(1, min(math.floor(tau), widest)) if width is None else width
+    if not 1 <= w <= widest:
+        raise ValueError(f"width must lie in 1..{widest}, got {w}")
+    verify_s = engine.time_forward(w, iters)
+    return SpeedupBound(
+        tau=tau,
+        ar_step_s=ar_step_s,
+        verify_s=verify_s,
+        draft_s=draft_s,
+        width=w,
+        bound=cycle_bound(tau, ar_step_s, verify_s, draft_s),
+    )
