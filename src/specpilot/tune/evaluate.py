@@ -11,9 +11,10 @@ Measurement (``bench/protocol.py``): every arm — the AR baseline and each cand
 is warmed up (on CUDA graphs the whole workload once, so that every graph is captured before the
 clock starts; eagerly a short run), then the arms run the workload in ``rounds`` interleaved
 rounds. A candidate's speedup is the median of its per-round ratios over AR, with their spread.
-A speedup that the cost model cannot explain — above ``τ · t_AR / t_forward`` (every cycle costs
-at least one target forward) by more than the noise — is measured again; if it persists the
-trial is an **anomaly**: reported, never a winner.
+A speedup that the cost model cannot explain — above ``τ · t_AR / (t_draft + t_verify)``
+(``costmodel/bound.py``: every cycle costs at least one target forward as wide as what it
+commits) by more than the noise — is measured again; if it persists the trial is an
+**anomaly**: reported, never a winner.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpilot.bench.protocol import Measurement, Ratio, Sample, interleave, speedup_bound, timed
+from specpilot.bench.protocol import Measurement, Ratio, Sample, interleave, timed
+from specpilot.costmodel.bound import FORMULA, engine_speedup_bound
 from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
@@ -136,7 +138,6 @@ class Evaluator:
         self.baseline = self.make_baseline()
         self.warm(self.baseline)
         self.ar_tok_s = self.workload(self.baseline).tok_s
-        self.t_ar_forward = self._forward_time(self.baseline)
 
     # ------------------------------------------------------------------ workload (single mode)
     def make_baseline(self) -> Any:
@@ -189,9 +190,10 @@ class Evaluator:
     def _runner(self, engine: Any) -> Any:
         return self._engine(engine).runner
 
-    def _forward_time(self, engine: Any) -> float:
-        """Seconds of one width-1 target forward of ``engine`` (replayed like a cycle's step)."""
-        return self._engine(engine).time_forward(1, iters=10)
+    def _ar_step(self) -> float:
+        """Seconds of the stock AR step (one width-1 forward, replayed as the baseline runs
+        it), timed next to the candidates it bounds."""
+        return self._engine(self.baseline).time_forward(1, iters=10)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, config: EngineConfig) -> TrialResult:
@@ -217,19 +219,22 @@ class Evaluator:
         t0 = time.perf_counter()
         m = interleave(arms, self.rounds, warmup=0) if live else Measurement()
         share = (time.perf_counter() - t0) / max(len(live), 1)  # the AR rounds are shared
+        ar_step = self._ar_step() if live else 0.0
         out = []
         for i, cd in enumerate(cands):
             if cd.error is not None:
                 out.append(self._failed(cd.config, cd.error, cd.setup_s))
                 continue
-            out.append(self._judge(cd, f"c{i}", m, share))
+            out.append(self._judge(cd, f"c{i}", m, share, ar_step))
         return out
 
-    def _judge(self, cd: _Candidate, name: str, m: Measurement, share: float) -> TrialResult:
+    def _judge(
+        self, cd: _Candidate, name: str, m: Measurement, share: float, ar_step: float
+    ) -> TrialResult:
         ratio, sample = m.ratio(name, "ar"), m.last(name)
         stats, times = self.stats(sample)
-        tau = stats.mean_accepted_len
-        bound = speedup_bound(tau, self.t_ar_forward, self._forward_time(cd.engine))
+        tau = max(stats.mean_accepted_len, 1.0)
+        bound = engine_speedup_bound(self._engine(cd.engine), tau, ar_step, iters=10).bound
         anomaly = None
         if ratio.median > bound * (1 + ANOMALY_SLACK + 2 * ratio.noise):
             again = interleave(
@@ -244,7 +249,7 @@ class Evaluator:
             if ratio.median > bound * (1 + ANOMALY_SLACK + 2 * ratio.noise):
                 anomaly = (
                     f"measured {ratio.text()} over AR twice, but the cost model allows at most "
-                    f"{bound:.2f}x at τ {tau:.2f} (τ · t_AR / t_forward); not a result"
+                    f"{bound:.2f}x at τ {tau:.2f} ({FORMULA}); not a result"
                 )
         t0 = time.perf_counter()
         report = force_tokens(self.stock.model, self.results(sample))
