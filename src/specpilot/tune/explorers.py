@@ -11,11 +11,14 @@ included (told as speedup 0, so the sampler moves away from them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.mechanisms import Knob
+from specpilot.tune.proposal import Proposal, Proposer
 from specpilot.tune.space import Direction
+
+__all__ = ["Explorer", "Proposal", "Proposer", "make_explorer", "optuna_available"]
 
 
 def _distribution(knob: Knob) -> Any:
@@ -27,30 +30,6 @@ def _distribution(knob: Knob) -> Any:
     if isinstance(knob.default, (bool, int)):
         return optuna.distributions.IntDistribution(int(knob.low), int(knob.high))
     return optuna.distributions.FloatDistribution(float(knob.low), float(knob.high))
-
-
-@dataclass(slots=True)
-class Proposal:
-    explorer: str
-    params: dict[str, Any]
-    config: EngineConfig
-    trial_number: int
-
-
-class Proposer(Protocol):
-    """Anything that proposes candidate engine configs around a base and learns from results.
-
-    The TPE ``Explorer`` below is one; an LLM coding agent can be another (returning configs, or
-    configs that name a mechanism its patch registers): every proposal goes through the same
-    evaluator and token-forcing gate, so a proposer needs no trust.
-    """
-
-    @property
-    def name(self) -> str: ...
-
-    def propose(self, base: EngineConfig, n: int) -> list[Proposal]: ...
-
-    def tell(self, trial_number: int, speedup: float) -> None: ...
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.mechanisms import Knob
-from specpilot.tune.explorers import Proposal
+from specpilot.tune.proposal import Proposal
 from specpilot.tune.space import Direction
 
 
