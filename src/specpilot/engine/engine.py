@@ -25,7 +25,7 @@ The engine implements :class:`~specpilot.drafters.base.DraftRows`, the view draf
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ from specpilot.engine.accept import accept_and_commit
 from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
-from specpilot.engine.types import CycleTimes, RowCommit
+from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
 from specpilot.errors import PromptTooLongError
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
@@ -91,7 +91,7 @@ class Engine:
         self._hidden: Tensor | None = None  # [n_sel, B, k_max+1, hidden]
         self._draft_host: Tensor | None = None  # [B, k+1] pinned: host drafts + their lengths
         self.host = HostRows.idle(0)
-        self._marks: list[object] = []
+        self._clock = PhaseClock(self.device)
 
     # ------------------------------------------------------------------ sizes
     def context_margin(self) -> int:
@@ -167,17 +167,8 @@ class Engine:
         return max(1, min(need, self.capacity - max(h.lens) - 1))
 
     def write_drafts(self, drafts: Sequence[Sequence[int]]) -> list[int]:
-        buf, st, k = self._draft_host, self.state, self.k
-        assert buf is not None and len(drafts) == self.batch
-        buf.zero_()
-        lens = [min(len(d), k) for d in drafts]
-        for b, (d, n) in enumerate(zip(drafts, lens, strict=True)):
-            if n:
-                buf[b, :n] = torch.tensor(list(d[:n]), dtype=torch.int64)
-            buf[b, k] = n
-        st.drafts[:, :k].copy_(buf[:, :k], non_blocking=True)
-        st.draft_lens.copy_(buf[:, k], non_blocking=True)
-        return lens
+        assert self._draft_host is not None and len(drafts) == self.batch
+        return self.state.write_drafts(drafts, self._draft_host, self.k)
 
     @torch.inference_mode()
     def reference_continuation(self, n: int) -> list[list[int]]:
@@ -187,8 +178,7 @@ class Engine:
         st = self.state
         self.runner.synchronize()
         t0 = time.perf_counter()
-        snap = st.snapshot()
-        base = max(self.host.lens)
+        snap, base = st.snapshot(), max(self.host.lens)
         for s in range(n):
             self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
             self.run_accept(0)
@@ -311,12 +301,11 @@ class Engine:
     def _spec_cycle(self) -> list[RowCommit]:
         assert self.plan is not None and self.drafter is not None
         h, st = self.host, self.state
-        self._marks = []
-        self.mark()
+        self._clock.start(self.profile)
         w, drafted = self.plan.cycle(self)
         self.mark()
         out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
-        self._add_marks()
+        self._clock.add_to(self.times)
         commits, observed = [], []
         for b, a in enumerate(h.active):
             if not a:
@@ -350,11 +339,18 @@ class Engine:
     def run_verify(self, w: int, attn_len: int, with_hidden: bool = True, offset: int = 0) -> None:
         """Dense verify of ``[pending, drafts[:, :w-1]]`` per row into ``verify_argmax[:, :w]``.
         ``offset``: AR steps queued before this one (the host mirror lags by that much)."""
-        st = self.state
         hidden = self._hidden if with_hidden and self.drafter is not None else None
         host_start = None
         if not self.runner.use_graphs and self.batch == 1:
             host_start = self.host.lens[0] - 1 + offset
+        step = self._verify_step(w, attn_len, hidden, host_start)
+        key = ("verify", w, attn_len, hidden is not None)
+        self.runner.run(key, step, self.state, self.verify_graph_safe)
+
+    def _verify_step(
+        self, w: int, attn_len: int, hidden: Tensor | None, host_start: int | None
+    ) -> Callable[[], None]:
+        st = self.state
 
         def verify() -> None:
             block = (
@@ -368,8 +364,7 @@ class Engine:
             )  # fmt: skip
             self.forward_block(block, lay, st.verify_argmax, hidden)
 
-        key = ("verify", w, attn_len, hidden is not None)
-        self.runner.run(key, verify, st, self.verify_graph_safe)
+        return verify
 
     def run_accept(self, k: int) -> None:
         st = self.state
@@ -409,27 +404,8 @@ class Engine:
     # ------------------------------------------------------------------ timing
     def mark(self) -> None:
         """A phase boundary of the current cycle (recorded only when profiling)."""
-        if not self.profile:
-            return
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._marks.append(ev)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def _add_marks(self) -> None:
-        """Add the cycle's phase times (after the read-back, so CUDA events are complete)."""
-        m = self._marks
-        if len(m) != 4:
-            return
-        if isinstance(m[0], float):
-            d = [float(m[i + 1]) - float(m[i]) for i in range(3)]  # type: ignore[arg-type]
-        else:
-            d = [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(3)]  # type: ignore[attr-defined]
-        self.times.draft += d[0]
-        self.times.verify += d[1]
-        self.times.accept += d[2]
+        if self.profile:
+            self._clock.mark()
 
     @torch.inference_mode()
     def time_forward(self, width: int, iters: int = 20) -> float:
@@ -438,17 +414,10 @@ class Engine:
         runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
         if width - 1 > self.k_max:
             raise ValueError(f"width must be at most {self.k_max + 1}, got {width}")
-        st = self.state
         attn_len = self.bucket(max(self.host.lens) - 1 + width)
-
-        def verify() -> None:
-            block = torch.cat([st.pending[:, None], st.drafts[:, : width - 1]], dim=1)
-            lay = DenseLayout.build(
-                st.committed_len - 1, width, attn_len, self.fwd.groups, self.target.dtype
-            )
-            self.forward_block(block, lay, st.verify_argmax, None)
+        step = self._verify_step(width, attn_len, None, None)
 
         def once() -> None:
-            self.runner.run(("time", width, attn_len), verify, st, self.verify_graph_safe)
+            self.runner.run(("time", width, attn_len), step, self.state, self.verify_graph_safe)
 
         return time_call(once, self.device, iters, warmup=1)

@@ -16,6 +16,7 @@ K/V from slot ``committed_len - 1`` on, so it can only overwrite what is not val
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +82,19 @@ class RowState:
     def restore(self, snap: dict[str, Tensor]) -> None:
         for name, value in snap.items():
             getattr(self, name).copy_(value)
+
+    def write_drafts(self, drafts: Sequence[Sequence[int]], buf: Tensor, k: int) -> list[int]:
+        """Host drafts (row b: at most ``k`` tokens) into ``drafts``/``draft_lens`` through the
+        pinned ``buf [B, k + 1]`` (one copy each, ordered on the stream); their lengths."""
+        buf.zero_()
+        lens = [min(len(d), k) for d in drafts]
+        for b, (d, n) in enumerate(zip(drafts, lens, strict=True)):
+            if n:
+                buf[b, :n] = torch.tensor(list(d[:n]), dtype=torch.int64)
+            buf[b, k] = n
+        self.drafts[:, :k].copy_(buf[:, :k], non_blocking=True)
+        self.draft_lens.copy_(buf[:, k], non_blocking=True)
+        return lens
 
 
 @dataclass(slots=True)

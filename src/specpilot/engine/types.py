@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+
+import torch
 
 from specpilot.engine.stats import AcceptanceStats
 
@@ -59,3 +62,38 @@ class CycleTimes:
             "excluded_reference_s": self.excluded,
             "cycles": float(self.cycles),
         }
+
+
+class PhaseClock:
+    """Phase boundaries of one cycle: CUDA events on CUDA (read after the cycle's read-back has
+    synchronised), host clocks elsewhere. Four marks: start, drafted, verified, accepted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list[object] = []
+
+    def start(self, on: bool) -> None:
+        self._marks = []
+        if on:
+            self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks.append(ev)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def add_to(self, times: CycleTimes) -> None:
+        """Add the cycle's draft, verify and accept times (nothing unless all four marks are in)."""
+        m = self._marks
+        if len(m) != 4:
+            return
+        if self.cuda:
+            d = [m[i].elapsed_time(m[i + 1]) / 1e3 for i in range(3)]  # type: ignore[attr-defined]
+        else:
+            d = [float(m[i + 1]) - float(m[i]) for i in range(3)]  # type: ignore[arg-type]
+        times.draft += d[0]
+        times.verify += d[1]
+        times.accept += d[2]
