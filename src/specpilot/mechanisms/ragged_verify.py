@@ -1,4 +1,4 @@
-"""Packed ragged verify for the static batched engine (``models/packed_forward.py``).
+"""Packed ragged verify (``engine/plans.PackedPlan`` over ``models/layout.PackedLayout``).
 
 Row b of a batch verifies its own width ``w_b`` in one target forward: the projections, MLP and
 LM head run on the ``sum(w_b)`` real rows rounded up to ``bucket`` (one CUDA graph per bucket and

@@ -7,12 +7,11 @@ registers, so ~25% fewer bytes cross HBM (cap 16/12 = 1.33×).
 
 Plug point ``linear_weights``: ``apply`` encodes each selected matrix of every decoder layer
 (``w_qkv``, ``w_o``, ``w_gate_up``, ``w_down``), checks ``decode(encode(w))`` against ``w`` bit for
-bit, and installs a callable in ``DecoderLayer.linear_fns`` that ``DecoderLayer._project`` uses in
+bit, and installs a callable in ``DecoderLayer.linear_fns`` that ``Forward.linear`` uses in
 place of ``F.linear``. Component ``mlp``: the MLP holds ~2/3 of a Llama layer's weight bytes; the
 ``layers`` knob extends it to the attention projections (``attn_proj``) too. The LM head and the
-embeddings are untouched (the LM head has its own plug point). The eager forward and the static
-CUDA-graph forward (``models/static_forward.py``) both route these matrices through
-``linear_fns``. The bf16 parameters stay in place: rows beyond ``max_m`` (prefill) use
+embeddings are untouched (the LM head has its own plug point). The one forward
+(``models/forward.py``) routes these matrices through ``linear_fns``, eagerly and in CUDA graphs. The bf16 parameters stay in place: rows beyond ``max_m`` (prefill) use
 ``F.linear`` on them.
 
 Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
