@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import TYPE_CHECKING
 
 from specpilot.commands.common import add_engine_args, build_deployment
@@ -11,6 +12,8 @@ from specpilot.errors import SpecPilotError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from specpilot.serve.app import ServeSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,11 +77,24 @@ def run(args: argparse.Namespace) -> int:
             "Serving needs fastapi and uvicorn: pip install 'specpilot[serve]'."
         ) from None
     app = build_app(args)
+    print(f"specpilot serve: {startup_line(app.state.settings)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 
 
+def startup_line(settings: ServeSettings) -> str:
+    """What the server runs, in one line (``simulated acceptance`` in it when it is)."""
+    e = settings.engine
+    mechs = ", ".join(e["mechanisms"]) or "none"
+    return (
+        f"{settings.model_name} · drafter {e['drafter']} · plan {e['plan']} · mechanisms {mechs} "
+        f"· {e['runner']} · {e['slots']} slots · context {settings.context}"
+    )
+
+
 def build_app(args: argparse.Namespace) -> FastAPI:
+    """The app over a scheduler from the composition root: every plan and mechanism the engine
+    config enables, CUDA graphs by default on CUDA (``--no-graphs``: eager)."""
     from specpilot.engine.config import resolve_segment_tokens
     from specpilot.serve.app import ServeSettings, create_app
     from specpilot.serve.metrics import ServerMetrics
@@ -88,28 +104,27 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     tok = dep.target.tokenizer
     if tok is None:
         raise SpecPilotError("Serving needs the target's tokenizer.")
-    if dep.build.strategy is not None:
-        raise SpecPilotError(
-            f"serve runs the continuous-batching scheduler, which verifies chains; remove "
-            f"the '{dep.build.strategy.name}' verify strategy from the engine config."
-        )
-    dep.build.check_scheduler()
-    _, engine = dep.engines()
-    worker = EngineWorker(
-        engine,
-        tok,
-        dep.eos_ids,
-        ServerMetrics(),
-        audit_rate=args.audit_rate,
-        slots=args.max_concurrency,
-        segment_tokens=resolve_segment_tokens(dep.build.config, args.segment_tokens),
-        block_policy=dep.build.block_policy,
-        prefilter=dep.build.prefilter,
-    )
+    build = dep.build
+    segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
+    sched = build.scheduler(args.max_concurrency, segment_tokens)
+    worker = EngineWorker(sched, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
+    plan = sched.engine.plan
+    engine = {
+        "drafter": build.label,
+        "simulated_acceptance": build.config.deployment.simulate_acceptance,
+        "plan": "ar" if plan is None else plan.name,
+        "mechanisms": list(build.config.mechanisms),
+        "runner": dep.meta()["runner"],
+        "dtype": dep.meta()["dtype"],
+        "device": dep.meta()["device"],
+        "slots": sched.num_slots,
+        "segment_tokens": segment_tokens,
+    }
     settings = ServeSettings(
         model_name=args.served_model_name or dep.target.spec,
-        context=dep.target.model.max_positions,
+        context=sched.max_context,
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
+        engine=engine,
     )
     return create_app(worker, settings)
