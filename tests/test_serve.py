@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from specpilot.cli import build_parser
@@ -24,6 +25,17 @@ from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.engine import generate
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from test_cli import tiny_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
+    made these tests up to 100x slower; the caller's setting comes back afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 KEY = "sekret"
 
