@@ -104,3 +104,19 @@ def test_measure_stream_alternates_and_reuses_the_schedulers():
     assert tokens["ar"][0] == tokens["ar"][1] == tokens["ar"][2] == tokens["spec"][2]
     assert all(s.tokens == sum(len(t) for t in tokens["ar"][0]) for s in m.samples["spec"])
     assert len(m.ratio("spec", "ar").values) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("sim", [False, True])
+def test_bench_batched_on_cuda_graphs(sim, model, tmp_path, capsys):
+    """Both arms on CUDA graphs (the default on CUDA), fp32: identical to batched AR, forced."""
+    argv = ["bench", "--mode", "batched", "--target", str(model), "--device", "cuda", "-k", "4"]
+    argv += ["--concurrency", "2,4", "--requests", "8", "--limit", "4", "--max-new-tokens", "24"]
+    argv += ["--max-context", "1024", "--json", "--out", str(tmp_path / "runs.jsonl")]
+    if sim:
+        argv += ["--simulate-acceptance", "tau=3,block=5"]
+    code = main(argv)
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["runner"] == "cuda-graphs"
+    assert result["identical_to_ar"] == "48/48" and result["forcing"]["mismatches"] == 0
+    assert ("simulated acceptance" in result["drafter"]) == sim

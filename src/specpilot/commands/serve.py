@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.common import add_engine_args, build_deployment
 from specpilot.errors import SpecPilotError
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from specpilot.serve.app import ServeSettings
+    from specpilot.serve.worker import EngineWorker
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,10 +67,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0.0 <= args.audit_rate <= 1.0:
-        raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
-    if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
-        raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     try:
         import uvicorn
     except ImportError:
@@ -92,14 +89,18 @@ def startup_line(settings: ServeSettings) -> str:
     )
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
-    """The app over a scheduler from the composition root: every plan and mechanism the engine
-    config enables, CUDA graphs by default on CUDA (``--no-graphs``: eager)."""
+def build_worker(args: argparse.Namespace) -> tuple[EngineWorker, dict[str, Any]]:
+    """The engine thread over a scheduler from the composition root (every plan and mechanism
+    the engine config enables; CUDA graphs by default on CUDA, ``--no-graphs``: eager), and a
+    description of what it runs. Needs no HTTP package."""
     from specpilot.engine.config import resolve_segment_tokens
-    from specpilot.serve.app import ServeSettings, create_app
     from specpilot.serve.metrics import ServerMetrics
     from specpilot.serve.worker import EngineWorker
 
+    if not 0.0 <= args.audit_rate <= 1.0:
+        raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
+    if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
+        raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     dep = build_deployment(args)
     tok = dep.target.tokenizer
     if tok is None:
@@ -108,21 +109,30 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
     sched = build.scheduler(args.max_concurrency, segment_tokens)
     worker = EngineWorker(sched, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
-    plan = sched.engine.plan
+    plan, meta = sched.engine.plan, dep.meta()
     engine = {
+        "target": dep.target.spec,
         "drafter": build.label,
         "simulated_acceptance": build.config.deployment.simulate_acceptance,
         "plan": "ar" if plan is None else plan.name,
         "mechanisms": list(build.config.mechanisms),
-        "runner": dep.meta()["runner"],
-        "dtype": dep.meta()["dtype"],
-        "device": dep.meta()["device"],
+        "runner": meta["runner"],
+        "dtype": meta["dtype"],
+        "device": meta["device"],
         "slots": sched.num_slots,
         "segment_tokens": segment_tokens,
     }
+    return worker, engine
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The HTTP app over :func:`build_worker`'s engine thread."""
+    from specpilot.serve.app import ServeSettings, create_app
+
+    worker, engine = build_worker(args)
     settings = ServeSettings(
-        model_name=args.served_model_name or dep.target.spec,
-        context=sched.max_context,
+        model_name=args.served_model_name or engine["target"],
+        context=worker.max_context,
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
         engine=engine,
