@@ -12,7 +12,7 @@ real server (``specpilot serve`` under uvicorn on a free loopback port) and the 
    audit, whose forcing passes share the engine thread and would delay the next request): for each
    copy-heavy prompt (chat template applied once, sent as token ids to ``/v1/completions``), a
    non-streaming completion, a streaming one (time to first text) and the offline
-   ``SpecEngine.generate`` (time to first committed token), interleaved and alternating which side
+   ``specpilot.engine.generate`` (time to first committed token), interleaved and alternating which side
    goes first, so the machine's load falls on both alike. Per prompt: median server latency over
    median offline latency. Every server response must equal the offline output (text and
    completion token count, finish reason).

@@ -7,9 +7,9 @@ config cannot drift), warms it up, then answers one JSON request per stdin line 
 
 - ``{"op": "encode", "messages": [...]}`` -> ``{"prompt_ids": [...]}`` (the chat template);
 - ``{"op": "generate", "prompt_ids": [...], "max_tokens": N}`` -> ``{"tokens", "text",
-  "stop_reason", "seconds", "ttft"}``: one single-request ``SpecEngine.generate`` timed in process
-  (what a user of the offline engine waits for: generate plus the final decode), and the time to
-  its first committed token.
+  "stop_reason", "seconds", "ttft"}``: one single-request ``specpilot.engine.generate`` on the
+  composition root's engine, timed in process (what a user of the offline engine waits for:
+  generate plus the final decode), and the time to its first committed token.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 from specpilot.bench.runner import synchronize, warm_up
 from specpilot.cli import build_parser
 from specpilot.commands.common import Deployment, build_deployment
-from specpilot.engine import SpecEngine
+from specpilot.engine import Engine, generate
 
 
-def generate(dep: Deployment, engine: SpecEngine, prompt_ids: list[int], max_tokens: int) -> dict:
+def timed(dep: Deployment, engine: Engine, prompt_ids: list[int], max_tokens: int) -> dict:
     tok = dep.target.tokenizer
     assert tok is not None
     first: list[float] = []
@@ -36,7 +36,7 @@ def generate(dep: Deployment, engine: SpecEngine, prompt_ids: list[int], max_tok
 
     synchronize(engine.target.device)
     t0 = time.perf_counter()
-    res = engine.generate([prompt_ids], max_tokens, dep.eos_ids, on_commit)[0]
+    res = generate(engine, [prompt_ids], max_tokens, dep.eos_ids, on_commit)[0]
     synchronize(engine.target.device)
     text = tok.decode(res.tokens, skip_special_tokens=True)
     seconds = time.perf_counter() - t0
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> int:
     dep = build_deployment(args)
     tok = dep.target.tokenizer
     assert tok is not None, "the offline reference needs the target's tokenizer"
-    _, engine = dep.engines()
+    engine = dep.build.engine()
     warm_up([engine], tok.encode("Hello, world. Hello, world."), dep.eos_ids)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         if req["op"] == "encode":
             out: dict[str, Any] = {"prompt_ids": tok.apply_chat_template(req["messages"])}
         else:
-            out = generate(dep, engine, req["prompt_ids"], req["max_tokens"])
+            out = timed(dep, engine, req["prompt_ids"], req["max_tokens"])
         print(json.dumps(out), flush=True)
     return 0
 

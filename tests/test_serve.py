@@ -15,12 +15,27 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from specpilot.cli import build_parser
 from specpilot.commands.common import build_deployment
 from specpilot.commands.serve import build_app
+from specpilot.drafters.wrapped import WrappedDrafter
+from specpilot.engine import generate
+from specpilot.engine.config import DeploymentSpec, EngineConfig
 from test_cli import tiny_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
+    made these tests up to 100x slower; the caller's setting comes back afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
 
 KEY = "sekret"
 
@@ -78,13 +93,13 @@ def server(model_dir: Path) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def offline(model_dir: Path):
-    """The same engine offline: what the server must return."""
+    """Plain AR offline, one request at a time: what the server must return (fp32)."""
     dep = build_deployment(serve_args(model_dir))
-    _, engine = dep.engines()
+    engine = dep.build.stock_engine()
     tok = dep.target.tokenizer
 
     def complete(prompt_ids: list[int], max_tokens: int) -> str:
-        res = engine.generate([prompt_ids], max_tokens, dep.eos_ids)[0]
+        res = generate(engine, [prompt_ids], max_tokens, dep.eos_ids)[0]
         return tok.decode(res.tokens, skip_special_tokens=True)
 
     return tok, complete
@@ -97,7 +112,11 @@ def client(server: RunningServer, key: str = KEY) -> openai.OpenAI:
 def test_models_health_and_completion(server, offline, model_dir):
     tok, complete = offline
     c = client(server)
-    assert [m.id for m in c.models.list().data] == [str(model_dir)]
+    models = c.models.list().data
+    assert [m.id for m in models] == [str(model_dir)]
+    card = models[0].model_extra["specpilot"]
+    assert card["drafter"] == "ngram(k=4)" and card["plan"] == "chain"
+    assert card["runner"] == "eager" and card["simulated_acceptance"] is None
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     r = c.completions.create(
         model=str(model_dir), prompt="hello world hello", max_tokens=20, temperature=0
@@ -211,22 +230,22 @@ def test_client_disconnect_cancels_generation(model_dir):
         assert slow.metrics.value("specpilot_requests_total") == 0.0
 
 
+class _Slow(WrappedDrafter):
+    """The inner drafter, 20 ms slower per proposal."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner, inner.name, inner.k)
+
+    def propose(self, rows, attn_len):
+        time.sleep(0.02)
+        return self.inner.propose(rows, attn_len)
+
+
 def _slow_down(app):
     """The app's worker, with a drafter that sleeps 20 ms per proposal."""
     worker = app.state.worker
-    inner = worker.engine.drafter
-
-    class Slow:
-        name, k = inner.name, inner.k
-
-        def start(self, contexts):
-            inner.start(contexts)
-
-        def propose(self, contexts, max_lens):
-            time.sleep(0.02)
-            return inner.propose(contexts, max_lens)
-
-    worker.engine.drafter = Slow()
+    engine = worker.scheduler.engine
+    engine.drafter = _Slow(engine.drafter)
     return worker
 
 
@@ -259,3 +278,62 @@ def test_concurrent_streams_with_stop_strings_share_the_batch(server, offline):
         got = list(ex.map(one, prompts))
     assert [text for text, _ in got] == want
     assert got[0][1] == "stop"
+
+
+def _engine_file(tmp_path: Path, model_dir: Path, mechanisms: dict, drafter: str = "ngram") -> Path:
+    path = tmp_path / "engine.json"
+    dep = DeploymentSpec(target=str(model_dir), drafter=drafter, device="cpu", mode="batched")
+    EngineConfig(dep, k=4, drafter_knobs={"max_n": 3, "min_n": 1}, mechanisms=mechanisms).save(path)
+    return path
+
+
+SERVED = {
+    "tree": {"tree-verify": {"depth": 4, "width": 2, "max_nodes": 6}},
+    "packed": {"ragged-verify": {"bucket": 8}, "adaptive-block": {"k_min": 1}},
+    "tiered": {"tiered-budget": {"budget": 2.5}},
+}
+
+
+@pytest.mark.parametrize("plan", list(SERVED))
+def test_every_plan_and_mechanism_serves_ar_output(plan, model_dir, offline, tmp_path):
+    """No plan or mechanism is refused by the server: trees, packed ragged verify with a per-row
+    width policy; concurrent streams each equal to their own AR output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok, complete = offline
+    engine = _engine_file(tmp_path, model_dir, SERVED[plan])
+    app = build_app(build_parser().parse_args(["serve", "--engine", str(engine)]))
+    prompts = ["hello world hello world", "hi hi", "world hello", "user hello hi", "hello"]
+    want = [complete(tok.encode(p), 18) for p in prompts]
+    with RunningServer(app, free_port()) as srv:
+        card = client(srv).models.list().data[0].model_extra["specpilot"]
+        assert card["plan"] == {"tree": "tree", "packed": "packed", "tiered": "packed"}[plan]
+        assert card["mechanisms"] == list(SERVED[plan])
+
+        def one(p: str) -> str:
+            r = client(srv).completions.create(model=None, prompt=p, max_tokens=18)  # type: ignore[arg-type]
+            return r.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            assert list(ex.map(one, prompts)) == want
+
+
+def test_simulated_acceptance_is_labelled_and_lossless(model_dir, offline):
+    """``--simulate-acceptance`` comes through the engine config; /v1/models and the startup
+    line say so, and the outputs are still the target's own."""
+    from specpilot.commands.serve import startup_line
+
+    tok, complete = offline
+    args = serve_args(model_dir, "--simulate-acceptance", "tau=3,block=5", "--max-concurrency", "2")
+    app = build_app(args)
+    assert "simulated acceptance tau=3,block=5" in startup_line(app.state.settings)
+    prompts = ["hello world", "hi hello hi", "world"]
+    with RunningServer(app, free_port()) as srv:
+        card = client(srv).models.list().data[0].model_extra["specpilot"]
+        assert "simulated acceptance" in card["drafter"]
+        assert card["simulated_acceptance"] == "tau=3,block=5"
+        for p in prompts:
+            r = client(srv).completions.create(model=None, prompt=p, max_tokens=20)  # type: ignore[arg-type]
+            assert r.choices[0].text == complete(tok.encode(p), 20)
+        mean = app.state.worker.metrics.value("specpilot_mean_accepted_length")
+        assert mean > 1.5  # the oracle's drafts are accepted

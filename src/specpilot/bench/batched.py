@@ -2,8 +2,11 @@
 continuous-batching scheduler; throughput over all requests and per-request latency.
 
 AR-batched and speculative-batched runs use the same requests, the same arrival times and the
-same clock (``time.perf_counter``; every step ends in a host read of the argmax, which
-synchronises the device), so the two are counted the same way.
+same clock (``time.perf_counter``; every step ends in a host read of the committed tokens, which
+synchronises the device), so the two are counted the same way. ``measure_stream`` runs them as
+arms of the interleaved protocol (``bench/protocol.py``): one warm-up round (graph captures,
+allocator growth), then rounds in which both arms serve the whole stream, order alternating, and
+a per-round speedup with its spread.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from specpilot.bench.protocol import Measurement, Sample, interleave
 from specpilot.engine import Request, RequestResult, Scheduler
 from specpilot.engine.stats import AcceptanceStats
 
@@ -134,3 +138,26 @@ def run_stream(
         steps=sched.steps - steps0,
         stats=stats,
     )
+
+
+def measure_stream(
+    schedulers: Mapping[str, Scheduler],
+    requests: Sequence[Request],
+    arrivals: Sequence[float],
+    rounds: int = 3,
+    warmup: int = 1,
+    on_finish: Callable[[], None] | None = None,
+) -> Measurement:
+    """Every scheduler serves the whole stream once per round (``warmup`` rounds uncounted), in
+    an order that rotates from round to round; each sample's payload is its :class:`BatchedRun`.
+    A scheduler is reused from round to round (its rows are all free after a run), so the
+    graphs it captured in the warm-up are the ones the counted rounds replay."""
+
+    def arm(name: str, sched: Scheduler) -> Callable[[], Sample]:
+        def serve() -> Sample:
+            run = run_stream(name, sched, requests, arrivals, on_finish)
+            return Sample(run.tokens, run.seconds, run)
+
+        return serve
+
+    return interleave({n: arm(n, s) for n, s in schedulers.items()}, rounds, warmup)

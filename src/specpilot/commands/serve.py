@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.common import add_engine_args, build_deployment
 from specpilot.errors import SpecPilotError
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from specpilot.serve.app import ServeSettings
+    from specpilot.serve.worker import EngineWorker
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,10 +67,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0.0 <= args.audit_rate <= 1.0:
-        raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
-    if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
-        raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     try:
         import uvicorn
     except ImportError:
@@ -74,42 +74,67 @@ def run(args: argparse.Namespace) -> int:
             "Serving needs fastapi and uvicorn: pip install 'specpilot[serve]'."
         ) from None
     app = build_app(args)
+    print(f"specpilot serve: {startup_line(app.state.settings)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
+def startup_line(settings: ServeSettings) -> str:
+    """What the server runs, in one line (``simulated acceptance`` in it when it is)."""
+    e = settings.engine
+    mechs = ", ".join(e["mechanisms"]) or "none"
+    return (
+        f"{settings.model_name} · drafter {e['drafter']} · plan {e['plan']} · mechanisms {mechs} "
+        f"· {e['runner']} · {e['slots']} slots · context {settings.context}"
+    )
+
+
+def build_worker(args: argparse.Namespace) -> tuple[EngineWorker, dict[str, Any]]:
+    """The engine thread over a scheduler from the composition root (every plan and mechanism
+    the engine config enables; CUDA graphs by default on CUDA, ``--no-graphs``: eager), and a
+    description of what it runs. Needs no HTTP package."""
     from specpilot.engine.config import resolve_segment_tokens
-    from specpilot.serve.app import ServeSettings, create_app
     from specpilot.serve.metrics import ServerMetrics
     from specpilot.serve.worker import EngineWorker
 
+    if not 0.0 <= args.audit_rate <= 1.0:
+        raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
+    if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
+        raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     dep = build_deployment(args)
     tok = dep.target.tokenizer
     if tok is None:
         raise SpecPilotError("Serving needs the target's tokenizer.")
-    if dep.build.strategy is not None:
-        raise SpecPilotError(
-            f"serve runs the continuous-batching scheduler, which verifies chains; remove "
-            f"the '{dep.build.strategy.name}' verify strategy from the engine config."
-        )
-    dep.build.check_scheduler()
-    _, engine = dep.engines()
-    worker = EngineWorker(
-        engine,
-        tok,
-        dep.eos_ids,
-        ServerMetrics(),
-        audit_rate=args.audit_rate,
-        slots=args.max_concurrency,
-        segment_tokens=resolve_segment_tokens(dep.build.config, args.segment_tokens),
-        block_policy=dep.build.block_policy,
-        prefilter=dep.build.prefilter,
-    )
+    build = dep.build
+    segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
+    sched = build.scheduler(args.max_concurrency, segment_tokens)
+    worker = EngineWorker(sched, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
+    plan, meta = sched.engine.plan, dep.meta()
+    engine = {
+        "target": dep.target.spec,
+        "drafter": build.label,
+        "simulated_acceptance": build.config.deployment.simulate_acceptance,
+        "plan": "ar" if plan is None else plan.name,
+        "mechanisms": list(build.config.mechanisms),
+        "runner": meta["runner"],
+        "dtype": meta["dtype"],
+        "device": meta["device"],
+        "slots": sched.num_slots,
+        "segment_tokens": segment_tokens,
+    }
+    return worker, engine
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The HTTP app over :func:`build_worker`'s engine thread."""
+    from specpilot.serve.app import ServeSettings, create_app
+
+    worker, engine = build_worker(args)
     settings = ServeSettings(
-        model_name=args.served_model_name or dep.target.spec,
-        context=dep.target.model.max_positions,
+        model_name=args.served_model_name or engine["target"],
+        context=worker.max_context,
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
+        engine=engine,
     )
     return create_app(worker, settings)

@@ -136,7 +136,16 @@ class ChainPlan:
         engine.run_verify(w, engine.bucket(max(host.lens) - 1 + w))
         engine.mark()
         engine.run_accept(w - 1)
-        return w, drafted
+        # The room cap only narrows the block; the accept sees every draft inside it (up to the
+        # row's cap), so those are the positions drafted (an accepted length never exceeds it).
+        capped = self.caps.policy is not None
+        seen = [
+            min(w - 1, k if lens is None else lens[b], wb - 1 if capped else k)
+            if host.active[b]
+            else 0
+            for b, wb in enumerate(widths)
+        ]
+        return w, seen
 
 
 class PackedPlan:

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +29,9 @@ class ServeSettings:
     default_max_tokens: int = 256
     api_key: str | None = None
     """When set, requests need ``Authorization: Bearer <key>``."""
+    engine: dict[str, Any] = field(default_factory=dict)
+    """What serves the model (drafter label, plan, mechanisms, runner, slots), shown on
+    /v1/models; its ``drafter`` says ``simulated acceptance`` when the acceptance is simulated."""
 
 
 def error(
@@ -47,6 +50,7 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
 
     app = FastAPI(title="SpecPilot", version="0.1.0", lifespan=lifespan)
     app.state.worker = worker
+    app.state.settings = settings
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(_req: Request, exc: RequestValidationError) -> JSONResponse:
@@ -81,7 +85,7 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "specpilot"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card | {"specpilot": settings.engine}]}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,6 +17,9 @@ class ServerMetrics:
         self.cancelled = Counter(
             "specpilot_cancelled_requests", "Generations cancelled by the client", registry=r
         )
+        self.failed = Counter(
+            "specpilot_failed_requests", "Generations ended by an engine error", registry=r
+        )
         self.tokens = Counter("specpilot_generated_tokens", "Committed tokens served", registry=r)
         self.seconds = Counter(
             "specpilot_generation_seconds", "Engine time spent generating", registry=r

@@ -1,11 +1,16 @@
-"""One thread owns the engine and runs the continuous-batching scheduler; tokens stream out.
+"""One thread owns the engine's scheduler and runs continuous batching; tokens stream out.
 
 The HTTP side is asyncio; the engine is synchronous PyTorch. Each job carries a thread-safe
 channel back to its request (``loop.call_soon_threadsafe``) and a cancel flag. Between scheduler
-steps the thread takes new jobs (they join the running batch as slots free up), drops cancelled
-ones (a client that disconnects frees its slot at the next step) and runs background audits.
+steps the thread takes new jobs (they join the running batch as rows free up), drops cancelled
+ones (a client that disconnects frees its row at the next step) and runs background audits.
 Concurrent requests share every target forward; each one's tokens are still exactly its own
-single-request output (engine/batching/scheduler.py).
+single-request output (``engine/scheduler.py``).
+
+The scheduler comes from the composition root (``EngineBuild.scheduler``), so the server runs
+whatever plan and mechanisms the engine config enables, on CUDA graphs by default on CUDA. A step
+that raises fails the requests in flight; the worker then re-opens the rows of the *same* engine
+(``Scheduler(engine, ...)``), so no second copy of the KV cache or the graphs is ever made.
 """
 
 from __future__ import annotations
@@ -21,14 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpilot.engine import SpecEngine
-from specpilot.engine.batching import (
-    BatchScheduler,
-    BlockPolicy,
-    DraftPrefilter,
-    Request,
-    RequestResult,
-)
+import torch
+
+from specpilot.engine import Request, RequestResult, Scheduler
 from specpilot.forcing import force_tokens
 from specpilot.loading import TextTokenizer
 from specpilot.serve.metrics import ServerMetrics
@@ -61,6 +61,7 @@ class _Stream:
     """A running job's text so far: decodes committed tokens, cuts at stop strings, sends deltas."""
 
     job: Job
+    request: Request
     tokenizer: TextTokenizer
     started: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
@@ -101,35 +102,36 @@ class _Stream:
 
 
 class EngineWorker:
+    """The engine thread: owns ``scheduler`` (its engine's rows) from ``start`` to ``stop``."""
+
     def __init__(
         self,
-        engine: SpecEngine,
+        scheduler: Scheduler,
         tokenizer: TextTokenizer,
         eos_ids: tuple[int, ...],
         metrics: ServerMetrics,
         audit_rate: float = 0.0,
         seed: int = 0,
-        slots: int = 4,
-        segment_tokens: int = 256,
-        block_policy: BlockPolicy | None = None,
-        prefilter: DraftPrefilter | None = None,
     ) -> None:
-        self.engine = engine
-        """Target, drafter and verifier; the scheduler is built from them when the thread starts."""
+        self.scheduler = scheduler
+        """Continuous batching over the engine's rows; only the engine thread touches it."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.metrics = metrics
         self.audit_rate = audit_rate
-        self.slots = slots
-        self.segment_tokens = segment_tokens
-        self.block_policy = block_policy
-        self.prefilter = prefilter
         self._rng = random.Random(seed)
         self._ids = itertools.count()
         self._jobs: queue.Queue[Job | Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
         self._stopping = threading.Event()
         self._live: dict[str, _Stream] = {}
+        self.restarts = 0
+        """Times a failed step made the worker re-open the engine's rows."""
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + max_tokens one request may ask for."""
+        return self.scheduler.max_context
 
     def start(self) -> None:
         self._thread.start()
@@ -153,19 +155,24 @@ class EngineWorker:
         self._jobs.put(None)
         self._thread.join(timeout)
 
-    def _scheduler(self) -> BatchScheduler:
-        return BatchScheduler(
-            self.engine.target,
-            self.engine.drafter,
-            slots=self.slots,
-            segment_tokens=self.segment_tokens,
-            block_policy=self.block_policy,
-            verify_fn=self.engine.verify_fn,
-            prefilter=self.prefilter,
+    def _reopen(self) -> Scheduler:
+        """A fresh scheduler over the same engine: its rows re-opened (every buffer and graph
+        is reused, nothing is allocated again), nothing of the failed step left in them."""
+        old = self.scheduler
+        self.scheduler = Scheduler(
+            old.engine,
+            slots=old.num_slots,
+            segment_tokens=old.segment_tokens,
+            max_context=old.max_context,
         )
+        self.restarts += 1
+        return self.scheduler
 
     def _run(self) -> None:
-        sched = self._scheduler()
+        device = self.scheduler.engine.device
+        if device.type == "cuda":  # the current device is per thread
+            torch.cuda.set_device(device)
+        sched = self.scheduler
         stopping = False
         while True:
             if stopping and not sched.has_work:
@@ -185,21 +192,32 @@ class EngineWorker:
                 continue
             try:
                 report = sched.step()
-            except Exception as e:  # report to every running client; the worker lives on
-                for stream in self._live.values():
-                    stream.job.send(("error", f"generation failed: {e}"))
-                self._live.clear()
-                sched = self._scheduler()
+            except Exception as e:  # the running requests fail; the worker lives on
+                sched = self._recover(sched, f"generation failed: {e}")
                 continue
             for rid, tokens in report.committed:
-                if self._live[rid].feed(tokens):  # a stop string: no more tokens are needed
+                live = self._live.get(rid)  # gone if a stop string ended it earlier this step
+                if live is not None and live.feed(tokens):  # a stop string: no more tokens
                     result = sched.cancel(rid)  # None if it also finished in this step
                     if result is not None:
                         self._done(result)
             for result in report.finished:
                 self._done(result)
 
-    def _take_jobs(self, sched: BatchScheduler, block: bool) -> bool:
+    def _recover(self, sched: Scheduler, message: str) -> Scheduler:
+        """After a failed step: every request in a row gets ``message``; the rows of the same
+        engine are re-opened and the requests still waiting keep their place in the queue."""
+        waiting = sched.waiting_ids
+        queued = set(waiting)
+        for rid in [r for r in self._live if r not in queued]:
+            self._live.pop(rid).job.send(("error", message))
+            self.metrics.failed.inc()
+        sched = self._reopen()
+        for rid in waiting:
+            sched.submit(self._live[rid].request)
+        return sched
+
+    def _take_jobs(self, sched: Scheduler, block: bool) -> bool:
         """Move queued jobs into the scheduler and run queued audits; True on the stop sentinel."""
         while True:
             try:
@@ -215,16 +233,14 @@ class EngineWorker:
             if item.cancelled.is_set():
                 continue
             rid = f"job-{next(self._ids)}"
+            stop = frozenset(self.eos_ids)
+            request = Request(rid, tuple(item.prompt_ids), item.max_new_tokens, stop)
             try:
-                sched.submit(
-                    Request(
-                        rid, tuple(item.prompt_ids), item.max_new_tokens, frozenset(self.eos_ids)
-                    )
-                )
-            except Exception as e:
+                sched.submit(request)
+            except Exception as e:  # check_fits: the app checks first, so this is rare
                 item.send(("error", f"generation failed: {e}"))
                 continue
-            self._live[rid] = _Stream(item, self.tokenizer)
+            self._live[rid] = _Stream(item, request, self.tokenizer)
 
     def _done(self, result: RequestResult) -> None:
         stream = self._live.pop(result.id)
@@ -238,7 +254,9 @@ class EngineWorker:
             self._jobs.put(functools.partial(self._audit, stream.job, outcome))
 
     def _audit(self, job: Job, outcome: Outcome) -> None:
-        report = force_tokens(self.engine.target, [("audit", job.prompt_ids, outcome.tokens)])
+        report = force_tokens(
+            self.scheduler.engine.target, [("audit", job.prompt_ids, outcome.tokens)]
+        )
         self.metrics.audit_matches.inc(report.matches)
         self.metrics.audit_near_ties.inc(report.near_ties)
         self.metrics.audit_mismatches.inc(report.mismatches)
