@@ -71,14 +71,14 @@ def tune_argv(model: Path, prompts: Path, out: Path, memory: Path, *extra: str) 
 
 
 def _install_faulty_head(build, knobs) -> None:
-    """An LM-head argmax plug that bends every token whose id is a multiple of 5."""
+    """An LM-head argmax plug that answers the token after the argmax (every row, every call)."""
     model = build.target.model
     fwd, vocab = model.stock_forward(), model.cfg.vocab_size
 
     def head(x: torch.Tensor) -> torch.Tensor:  # [B, R, H] -> [B, R]
         b, r, h = x.shape
         ids = fwd.logits_normed(x.reshape(b * r, h)).argmax(dim=-1).view(b, r)
-        return torch.where(ids % 5 == 0, (ids + 1) % vocab, ids)
+        return (ids + 1) % vocab
 
     model.argmax_head = head
 

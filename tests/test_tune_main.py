@@ -30,7 +30,7 @@ from specpilot.tune.explorers import Explorer, make_explorer
 from specpilot.tune.local_search import LocalSearchExplorer
 from specpilot.tune.loop import TuneLoop, TuneSettings
 from specpilot.tune.space import Direction, directions_for, early_exit_layers
-from test_engine_equivalence import repetitive_prompt
+from engine_cases import repetitive_prompt
 from test_tune import tiny, tune_argv  # noqa: F401  (tiny is a fixture)
 
 BASE = EngineConfig(deployment=DeploymentSpec(target="t"), k=4, drafter_knobs={"a": 1})
