@@ -107,6 +107,7 @@ def run_stream(
     index = {r.id: i for i, r in enumerate(requests)}
     finished: dict[str, tuple[RequestResult, float]] = {}
     steps0 = sched.steps
+    excluded0 = sched.engine.times.excluded  # simulated acceptance's reference runs
     t0 = time.perf_counter()
     nxt = 0
     while nxt < len(order) or sched.has_work:
@@ -124,6 +125,7 @@ def run_stream(
             if on_finish is not None:
                 on_finish()
     seconds = time.perf_counter() - t0 - min(arrivals, default=0.0)
+    seconds -= sched.engine.times.excluded - excluded0
     results = [finished[r.id][0] for r in requests]
     latencies = [finished[r.id][1] - arrivals[index[r.id]] for r in requests]
     stats = AcceptanceStats()

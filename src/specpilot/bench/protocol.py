@@ -118,14 +118,24 @@ class Measurement:
         return self.samples[arm][-1]
 
 
-def timed(device: torch.device, fn: Callable[[], tuple[int, Any]]) -> Sample:
-    """Run ``fn`` (returns tokens produced and a payload) between synchronised clock reads."""
+def timed(
+    device: torch.device,
+    fn: Callable[[], tuple[int, Any]],
+    excluded: Callable[[], float] | None = None,
+) -> Sample:
+    """Run ``fn`` (returns tokens produced and a payload) between synchronised clock reads.
+    ``excluded``: a running total of seconds the run spent on work that is not the engine's
+    (the reference runs of simulated acceptance, ``CycleTimes.excluded``); what it grows by
+    during the run is taken out of the sample's time."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     sync(device)
+    skip0 = excluded() if excluded is not None else 0.0
     t0 = time.perf_counter()
     tokens, payload = fn()
     sync(device)
-    return Sample(tokens, time.perf_counter() - t0, payload)
+    wall = time.perf_counter() - t0
+    skipped = (excluded() - skip0) if excluded is not None else 0.0
+    return Sample(tokens, wall - skipped, payload)
 
 
 def interleave(
