@@ -1,125 +1,136 @@
-"""In fp32, speculative output equals plain AR output token for token, for every drafter."""
+"""In fp32, speculative output equals plain AR output token for token, for every drafter under
+every verify plan (``tests/engine_cases.py``), batched (rows of different lengths) and alone, with
+stops inside drafts; plus the verify rule's exact cases, the stats convention and refusals."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from engine_cases import CASES, CONFIG_IDS, CONFIGS, ar_tokens, repetitive_prompt, tokens
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
-from specpilot.engine import SpecEngine
+from specpilot.drafters.simulated import SimulatedAcceptance
+from specpilot.drafters.static_tree import StaticTree
+from specpilot.engine import Engine, GenerationResult, generate
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
+from specpilot.engine.tree_policy import FixedTree
 from specpilot.forcing import force_tokens
 
-CONFIGS = [
-    dict(arch="llama", heads=4, kv_heads=4, tie=False, vocab=97),  # MHA, untied
-    dict(arch="llama", heads=4, kv_heads=2, tie=True, vocab=101),  # GQA 2:1, tied, odd vocab
-    dict(arch="llama", heads=8, kv_heads=1, hidden=64, vocab=61),  # MQA
-    dict(arch="qwen2", heads=4, kv_heads=2, vocab=89),  # qkv bias
-    dict(arch="qwen3", heads=4, kv_heads=2, vocab=113),  # q/k RMSNorm
-]
+SEEDS = range(3)
 
 
-def repetitive_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
-    """Prompts with repeated spans, so that n-gram lookup finds something to propose."""
-    base = [rng.randrange(vocab) for _ in range(max(1, length // 3))]
-    out = (base * 4)[:length]
-    for _ in range(length // 8):
-        out[rng.randrange(length)] = rng.randrange(vocab)
-    return out
+@pytest.mark.parametrize("cfg_kw", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_drafter_and_plan_equals_ar(case: str, cfg_kw: dict) -> None:
+    """Per seed: three rows of different lengths in one batch, then one of them alone on the same
+    engine (re-opened for batch 1), against plain AR; the case must really draft."""
+    cfg = tiny_config(**cfg_kw)
+    drafted = 0
+    for seed in SEEDS:
+        rng = random.Random(f"{case}/{cfg.arch}/{cfg.vocab_size}/{seed}")
+        target = tiny_model(cfg, seed)
+        other = tiny_model(cfg, seed + 1000)  # an unrelated drafter: low acceptance, rollbacks
+        prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(1, 40)) for _ in range(3)]
+        max_new = rng.randint(16, 48)
+        eos = [rng.randrange(cfg.vocab_size)]
+        want = ar_tokens(target, prompts, max_new, eos)
+        engine = CASES[case](target, other, rng)
+        res = generate(engine, prompts, max_new, eos)
+        assert tokens(res) == want, f"{case} seed={seed} batched"
+        drafted += sum(sum(r.stats.drafted) for r in res)
+        row = seed % len(prompts)
+        alone = generate(engine, [prompts[row]], max_new, eos)[0]
+        assert alone.tokens == want[row], f"{case} seed={seed} row {row} alone"
+        if isinstance(engine.drafter, SimulatedAcceptance):
+            assert engine.drafter.divergences == 0  # fp32: the verify and the oracle agree
+    assert drafted > 0, f"{case} never drafted"
 
 
-def ar_tokens(target, prompts, max_new, eos):
-    return [r.tokens for r in SpecEngine(target).generate(prompts, max_new, eos)]
-
-
-@pytest.mark.parametrize(
-    "cfg_kw", CONFIGS, ids=[f"{c['arch']}-h{c['heads']}kv{c['kv_heads']}" for c in CONFIGS]
-)
-@pytest.mark.parametrize("seed", range(4))
-def test_spec_equals_ar_all_drafters(cfg_kw, seed):
+@pytest.mark.parametrize("cfg_kw", CONFIGS, ids=CONFIG_IDS)
+@pytest.mark.parametrize("seed", SEEDS)
+def test_plain_ar_rows_are_independent(cfg_kw: dict, seed: int) -> None:
     rng = random.Random(seed)
     cfg = tiny_config(**cfg_kw)
     target = tiny_model(cfg, seed)
-    draft = tiny_model(cfg, seed + 1000)  # an unrelated drafter: low acceptance, many rollbacks
     prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(1, 40)) for _ in range(3)]
-    max_new = rng.randint(20, 60)
     eos = [rng.randrange(cfg.vocab_size)]
-    want = ar_tokens(target, prompts, max_new, eos)
-    for k in (1, 3, 8, 16):
-        for drafter in (NgramDrafter(k=k, max_n=rng.randint(1, 4)), DraftModelDrafter(draft, k=k)):
-            # batch of three rows of different lengths, and each prompt alone
-            got = [r.tokens for r in SpecEngine(target, drafter).generate(prompts, max_new, eos)]
-            assert got == want, f"{drafter.name} k={k} batched"
-            single = [
-                SpecEngine(target, drafter).generate([p], max_new, eos)[0].tokens for p in prompts
-            ]
-            assert single == want, f"{drafter.name} k={k} single"
+    batched = ar_tokens(target, prompts, 40, eos)
+    assert [ar_tokens(target, [p], 40, eos)[0] for p in prompts] == batched
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_cpu_gemv_copies_change_no_token(seed):
+def test_cpu_gemv_copies_change_no_token(seed: int) -> None:
     """With [in, out] copies for one-row products, AR and speculative outputs stay the same."""
     rng = random.Random(seed)
     cfg = tiny_config(arch="qwen2", vocab=79, tie=True)
     plain, fast = tiny_model(cfg, seed), tiny_model(cfg, seed)
     fast.add_gemv_copies()
     prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(1, 30)) for _ in range(2)]
-    want = ar_tokens(plain, prompts, 40, [])
-    assert ar_tokens(fast, prompts, 40, []) == want
+    want = ar_tokens(plain, prompts, 40)
+    assert ar_tokens(fast, prompts, 40) == want
     for drafter in (NgramDrafter(k=5), DraftModelDrafter(fast, k=3)):
-        got = [r.tokens for r in SpecEngine(fast, drafter).generate(prompts, 40)]
-        assert got == want
+        assert tokens(generate(Engine(fast, drafter), prompts, 40)) == want
 
 
+PERFECT_PLANS = {
+    "chain": lambda k: ChainPlan(),
+    "packed": lambda k: PackedPlan(None, 4),
+    "tree": lambda k: TreePlan(FixedTree(StaticTree.chain(k))),
+}
+
+
+@pytest.mark.parametrize("plan", list(PERFECT_PLANS))
 @pytest.mark.parametrize("seed", range(3))
-def test_perfect_drafter_eos_and_length_inside_a_draft(seed):
+def test_perfect_drafter_eos_and_length_inside_a_draft(plan: str, seed: int) -> None:
     """The target drafting for itself accepts everything, so stops fall inside drafts."""
     cfg = tiny_config(vocab=71)
     target = tiny_model(cfg, seed)
     prompt = [3, 1, 4, 1, 5]
-    free = SpecEngine(target).generate([prompt], 40)[0].tokens
+    free = ar_tokens(target, [prompt], 40)[0]
+
+    def run(k: int, max_new: int, eos: list[int]) -> GenerationResult:
+        drafter = DraftModelDrafter(target, k=k)
+        return generate(
+            Engine(target, drafter, plan=PERFECT_PLANS[plan](k)), [prompt], max_new, eos
+        )[0]
+
     for stop_at in (1, 2, 5, 11):  # EOS = the token AR emits at this index (first occurrence)
         eos = free[stop_at]
-        want = SpecEngine(target).generate([prompt], 40, [eos])[0]
+        want = generate(Engine(target), [prompt], 40, [eos])[0]
         assert want.stop_reason == "eos" and want.tokens[-1] == eos
         for k in (2, 4, 7, 16):
-            got = SpecEngine(target, DraftModelDrafter(target, k=k)).generate([prompt], 40, [eos])[
-                0
-            ]
-            assert got.tokens == want.tokens and got.stop_reason == "eos"
+            got = run(k, 40, [eos])
+            assert got.tokens == want.tokens and got.stop_reason == "eos", (stop_at, k)
     for max_new in (1, 2, 3, 9, 17):
-        want_tokens = free[:max_new]
         for k in (4, 8, 16):
-            res = SpecEngine(target, DraftModelDrafter(target, k=k)).generate([prompt], max_new)[0]
-            assert res.tokens == want_tokens and res.stop_reason == "length"
-    res = SpecEngine(target, DraftModelDrafter(target, k=8)).generate([prompt], 40)[0]
-    assert res.stats.mean_accepted_len > 4.0  # it did accept whole drafts
+            res = run(k, max_new, [])
+            assert res.tokens == free[:max_new] and res.stop_reason == "length", (max_new, k)
+    assert run(8, 40, []).stats.mean_accepted_len > 4.0  # it did accept whole drafts
 
 
-def test_one_token_prompt_and_batch_rows_finishing_at_different_times():
+def test_one_token_prompt_and_batch_rows_finishing_at_different_times() -> None:
     cfg = tiny_config(vocab=53)
     target = tiny_model(cfg, 7)
     prompts = [[5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [9, 9]]
-    free = ar_tokens(target, prompts, 30, [])
+    free = ar_tokens(target, prompts, 30)
     eos = [free[1][4]]  # row 1 stops early
     want = ar_tokens(target, prompts, 30, eos)
-    got = [
-        r.tokens
-        for r in SpecEngine(target, DraftModelDrafter(target, k=5)).generate(prompts, 30, eos)
-    ]
-    assert got == want
-    assert len(want[1]) <= 5
+    got = generate(Engine(target, DraftModelDrafter(target, k=5)), prompts, 30, eos)
+    assert tokens(got) == want
+    assert len(want[1]) <= 5 and got[1].stop_reason == "eos"
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_speculative_outputs_pass_token_forcing_with_zero_near_ties(seed):
+def test_speculative_outputs_pass_token_forcing_with_zero_near_ties(seed: int) -> None:
     cfg = tiny_config(arch="qwen3", vocab=83)
     target = tiny_model(cfg, seed)
     rng = random.Random(seed)
     prompts = [repetitive_prompt(rng, cfg.vocab_size, 24) for _ in range(2)]
-    results = SpecEngine(target, NgramDrafter(k=6)).generate(prompts, 48)
+    results = generate(Engine(target, NgramDrafter(k=6)), prompts, 48)
     report = force_tokens(
         target,
         [(str(i), p, r.tokens) for i, (p, r) in enumerate(zip(prompts, results, strict=True))],
@@ -127,7 +138,7 @@ def test_speculative_outputs_pass_token_forcing_with_zero_near_ties(seed):
     assert report.ok and report.near_ties == 0 and report.matches == 96
 
 
-def test_drafter_with_another_vocabulary_is_refused():
+def test_drafter_with_another_vocabulary_is_refused() -> None:
     from specpilot.errors import IncompatibleDrafterError
 
     draft = tiny_model(tiny_config(vocab=50), 0)
@@ -135,27 +146,51 @@ def test_drafter_with_another_vocabulary_is_refused():
         DraftModelDrafter(draft, k=4, target_vocab_size=51)
 
 
-def test_prompt_longer_than_context_is_refused():
+def test_bad_requests_are_refused() -> None:
     from specpilot.errors import PromptTooLongError
 
     target = tiny_model(tiny_config(), 0)
     with pytest.raises(PromptTooLongError, match="context"):
-        SpecEngine(target).generate([[1] * 500], 20)
+        generate(Engine(target), [[1] * 500], 20)
+    with pytest.raises(PromptTooLongError, match="empty"):
+        generate(Engine(target), [[1, 2], []], 20)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(Engine(target), [[1, 2]], 0)
+    with pytest.raises(ValueError, match="drafter"):
+        Engine(target, None, plan=ChainPlan())
 
 
-def test_ngram_drafter_proposes_the_continuation_of_the_latest_match():
+class FakeRows:
+    """The part of ``DraftRows`` a host drafter reads: contexts, activity, ``write_drafts``."""
+
+    def __init__(self, contexts: list[list[int]]) -> None:
+        self.contexts = contexts
+        self.active = [True] * len(contexts)
+        self.state = SimpleNamespace(batch_size=len(contexts))
+        self.written: list[list[int]] = []
+
+    def write_drafts(self, drafts: list[list[int]]) -> list[int]:
+        self.written = [list(d) for d in drafts]
+        return [len(d) for d in drafts]
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_latest_match() -> None:
     d = NgramDrafter(k=3, max_n=2)
     ctx = [1, 2, 3, 4, 9, 1, 2, 7, 8, 1, 2]
-    d.start([ctx])
-    prop = d.propose([ctx], [3])
-    assert prop.lengths == [3] and prop.tokens[0].tolist() == [7, 8, 1]
-    ctx2 = [*ctx, 7]
-    prop = d.propose([ctx2], [5])  # suffix (2, 7) last seen at 6..7 → continue with 8, 1, 2
-    assert prop.tokens[0].tolist() == [8, 1, 2]
-    assert d.propose([[5, 6]], [3]).lengths == [0] or True  # fresh rows need start()
+    rows = FakeRows([ctx])
+    d.bind(rows)  # type: ignore[arg-type]
+    assert d.propose(rows, 0) == [3] and rows.written == [[7, 8, 1]]  # type: ignore[arg-type]
+    rows.contexts[0] = [*ctx, 7]  # contexts only grow: the index is extended, not rebuilt
+    d.propose(rows, 0)  # type: ignore[arg-type]
+    assert rows.written == [[8, 1, 2]]  # suffix (2, 7) last seen at 6..7 → continue with 8, 1, 2
+    rows.contexts[0] = [5, 6, 5]  # the row takes a new sequence
+    d.admitted(rows, [0])  # type: ignore[arg-type]
+    assert d.propose(rows, 0) == [2] and rows.written == [[6, 5]]  # type: ignore[arg-type]
+    rows.active[0] = False
+    assert d.propose(rows, 0) == [0]  # type: ignore[arg-type]
 
 
-def test_verify_terminology_cases():
+def test_verify_terminology_cases() -> None:
     from specpilot.engine import greedy_verify
 
     draft = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 0, 0]])
@@ -169,7 +204,7 @@ def test_verify_terminology_cases():
     assert out.accepted_len.tolist() == [1] and out.bonus.tolist() == [6]
 
 
-def test_acceptance_stats_cover_only_drafted_positions():
+def test_acceptance_stats_cover_only_drafted_positions() -> None:
     from specpilot.engine import AcceptanceStats
 
     s = AcceptanceStats()

@@ -1,0 +1,215 @@
+"""The engines the equivalence tests run: every drafter under every verify plan, built from a seed.
+
+Each case builds ``Engine(target, drafter, plan=...)`` from the target, an unrelated model of the
+same config (a drafter that accepts little and so rolls back often) and a ``random.Random`` that
+picks its knobs (k, n-gram sizes, tree shapes, budgets), so that the cases cover many settings
+across seeds. Cases are plain functions; ``tests/test_engine_equivalence.py`` checks that each one
+commits exactly the plain AR tokens in fp32, ``tests/test_graphs.py`` that their device steps
+never sync with the host and replay like CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from specpilot.drafters import BlockDrafter, DraftModelDrafter, NgramDrafter
+from specpilot.drafters.base import Drafter
+from specpilot.drafters.early_exit import early_exit_model
+from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
+from specpilot.drafters.static_tree import StaticTree, build_static_tree
+from specpilot.drafters.tree import TreeShape
+from specpilot.drafters.wrapped import FilteredDrafter
+from specpilot.engine import Engine, generate
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
+from specpilot.engine.tree_policy import FixedTree, RaggedTrees
+from specpilot.engine.widths import RowBlockLength, TieredBudget
+from specpilot.mechanisms.adaptive_block import AdaptiveBlock
+from specpilot.mechanisms.fp8_copy import fp8_model
+from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
+from specpilot.mechanisms.int8_copy import cheap_model
+from specpilot.mechanisms.two_level import TwoLevelDrafter
+from specpilot.models.transformer import Transformer
+from specpilot.synthetic import init_random_on_device
+
+CONFIGS = [
+    dict(arch="llama", heads=4, kv_heads=4, tie=False, vocab=97),  # MHA, untied
+    dict(arch="llama", heads=4, kv_heads=2, tie=True, vocab=101),  # GQA 2:1, tied, odd vocab
+    dict(arch="llama", heads=8, kv_heads=1, hidden=64, vocab=61),  # MQA
+    dict(arch="qwen2", heads=4, kv_heads=2, vocab=89),  # qkv bias
+    dict(arch="qwen3", heads=4, kv_heads=2, vocab=113),  # q/k RMSNorm
+]
+CONFIG_IDS = [
+    f"{c['arch']}-h{c['heads']}kv{c['kv_heads']}{'-tied' * bool(c.get('tie'))}" for c in CONFIGS
+]
+
+
+def repetitive_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
+    """Prompts with repeated spans, so that n-gram lookup finds something to propose."""
+    base = [rng.randrange(vocab) for _ in range(max(1, length // 3))]
+    out = (base * 4)[:length]
+    for _ in range(length // 8):
+        out[rng.randrange(length)] = rng.randrange(vocab)
+    return out
+
+
+def tokens(results: Sequence[object]) -> list[list[int]]:
+    return [r.tokens for r in results]  # type: ignore[attr-defined]
+
+
+def ar_tokens(
+    target: Transformer, prompts: Sequence[Sequence[int]], max_new: int, eos: Sequence[int] = ()
+) -> list[list[int]]:
+    """Plain AR (the engine without a drafter), one row per prompt."""
+    return tokens(generate(Engine(target), prompts, max_new, eos))
+
+
+def block_drafter(target: Transformer, block: int = 6, seed: int = 3) -> BlockDrafter:
+    """A one-layer block drafter with seeded random weights (a real, low-acceptance drafter)."""
+    drafter = BlockDrafter(target, num_layers=1, block=block, num_context_layers=2)
+    init_random_on_device(drafter.weights, seed)
+    return drafter
+
+
+def simulated(
+    target: Transformer,
+    rng: random.Random,
+    block: int = 6,
+    p_sibling: float = 0.0,
+    heterogeneous: bool = False,
+) -> SimulatedAcceptance:
+    """Simulated acceptance over a random block drafter (rows at different τ when
+    ``heterogeneous``)."""
+    k = block - 1
+    prof = AcceptanceProfile.constant(rng.uniform(1.5, k), k)
+    rows = [AcceptanceProfile.constant(t, k) for t in (1.2, k * 0.9)] if heterogeneous else []
+    return SimulatedAcceptance(
+        block_drafter(target, block, seed=rng.randrange(100)),
+        prof,
+        seed=rng.randrange(1000),
+        row_profiles=rows,
+        p_sibling=p_sibling,
+    )
+
+
+def tree_shape(rng: random.Random, depth: int) -> TreeShape:
+    width = rng.randint(1, 3)
+    return TreeShape.uniform(
+        depth=depth, width=width, max_nodes=rng.randint(depth, depth * width), branch=min(2, width)
+    )
+
+
+def static_tree(rng: random.Random, k: int) -> StaticTree:
+    return build_static_tree(tree_shape(rng, rng.randint(1, k)))
+
+
+def ragged_trees(rng: random.Random, k: int) -> RaggedTrees:
+    wide = build_static_tree(TreeShape.uniform(depth=k, width=3, max_nodes=2 * k + 2))
+    chain = StaticTree.chain(k)
+    return RaggedTrees(chain, wide, budget=rng.uniform(1 + k, 1 + wide.nodes), decay=0.5)
+
+
+def _k(rng: random.Random) -> int:
+    return rng.choice((1, 3, 5, 8, 16))
+
+
+def _ngram(rng: random.Random, k: int | None = None) -> NgramDrafter:
+    return NgramDrafter(k=_k(rng) if k is None else k, max_n=rng.randint(1, 4))
+
+
+Case = Callable[[Transformer, Transformer, random.Random], Engine]
+
+
+def _case(
+    make: Callable[[Transformer, Transformer, random.Random], tuple[Drafter, VerifyPlan | None]],
+) -> Case:
+    def build(target: Transformer, other: Transformer, rng: random.Random) -> Engine:
+        drafter, plan = make(target, other, rng)
+        return Engine(target, drafter, plan=plan)
+
+    return build
+
+
+def _prefilter(target: Transformer, inner: Drafter, rng: random.Random) -> FilteredDrafter:
+    keep = Fp8Prefilter(
+        fp8_model(target), margin=rng.randint(0, 2), min_batch=1, catch_up=rng.choice((6, 64))
+    )
+    return FilteredDrafter(inner, keep, "fp8-prefilter")
+
+
+CASES: dict[str, Case] = {
+    # host drafter: n-gram lookup
+    "ngram/chain": _case(lambda t, o, r: (_ngram(r), ChainPlan())),
+    "ngram/chain+row-block-len": _case(
+        lambda t, o, r: (_ngram(r), ChainPlan(RowBlockLength(r.uniform(0.2, 0.7))))
+    ),
+    "ngram/packed+tiered": _case(
+        lambda t, o, r: (_ngram(r), PackedPlan(TieredBudget(r.uniform(1.5, 4.0)), r.choice((1, 4))))
+    ),
+    "ngram/tree-trie": _case(
+        lambda t, o, r: (_ngram(r, 4), TreePlan(shape=tree_shape(r, r.randint(1, 6))))
+    ),
+    # device drafters: an unrelated draft model, the target drafting itself, early exit
+    "draft/chain": _case(lambda t, o, r: (DraftModelDrafter(o, k=_k(r)), None)),
+    "draft/packed+adaptive": _case(
+        lambda t, o, r: (DraftModelDrafter(o, k=5), PackedPlan(AdaptiveBlock(), 4))
+    ),
+    "draft/fixed-tree": _case(
+        lambda t, o, r: (DraftModelDrafter(o, k=4), TreePlan(FixedTree(static_tree(r, 4))))
+    ),
+    "perfect/chain+adaptive": _case(
+        lambda t, o, r: (DraftModelDrafter(t, k=_k(r)), ChainPlan(AdaptiveBlock(slack=0.5)))
+    ),
+    "perfect/packed": _case(lambda t, o, r: (DraftModelDrafter(t, k=6), PackedPlan(None, 4))),
+    "perfect/fixed-tree": _case(
+        lambda t, o, r: (DraftModelDrafter(t, k=5), TreePlan(FixedTree(static_tree(r, 5))))
+    ),
+    "early-exit/chain": _case(
+        lambda t, o, r: (DraftModelDrafter(early_exit_model(t, 1), k=r.randint(1, 6)), None)
+    ),
+    # the block drafter, real and under simulated acceptance
+    "block/chain": _case(lambda t, o, r: (block_drafter(t, r.randint(2, 9)), None)),
+    "block/packed+tiered": _case(
+        lambda t, o, r: (block_drafter(t, 7), PackedPlan(TieredBudget(3.0), 4))
+    ),
+    "block/ragged-trees": _case(
+        lambda t, o, r: (block_drafter(t, 6), TreePlan(ragged_trees(r, 5)))
+    ),
+    "sim/chain": _case(lambda t, o, r: (simulated(t, r, r.randint(3, 9)), None)),
+    "sim/packed+row-block-len": _case(
+        lambda t, o, r: (simulated(t, r, 8, heterogeneous=True), PackedPlan(RowBlockLength(0.3), 4))
+    ),
+    "sim/fixed-tree": _case(
+        lambda t, o, r: (simulated(t, r, 6, p_sibling=0.6), TreePlan(FixedTree(static_tree(r, 5))))
+    ),
+    "sim/ragged-trees": _case(
+        lambda t, o, r: (
+            simulated(t, r, 7, p_sibling=0.5, heterogeneous=True),
+            TreePlan(ragged_trees(r, 6), bucket=4),
+        )
+    ),
+    # host wrappers: two-level correction (INT8 copy) and the FP8 pre-filter
+    "two-level(ngram)/chain": _case(
+        lambda t, o, r: (
+            TwoLevelDrafter(_ngram(r, r.randint(1, 4)), cheap_model(t), r.randint(0, 3)),
+            None,
+        )
+    ),
+    "two-level(draft)/packed": _case(
+        lambda t, o, r: (
+            TwoLevelDrafter(DraftModelDrafter(o, k=3), cheap_model(t), 1),
+            PackedPlan(),
+        )
+    ),
+    "fp8-prefilter(ngram)/chain": _case(lambda t, o, r: (_prefilter(t, _ngram(r), r), None)),
+    "fp8-prefilter(perfect)/packed+tiered": _case(
+        lambda t, o, r: (
+            _prefilter(t, DraftModelDrafter(t, k=5), r),
+            PackedPlan(TieredBudget(4.0), 4),
+        )
+    ),
+}
+"""Every drafter under every plan; the name says ``drafter/plan``."""
+
+DEVICE_CASES = [name for name in CASES if not name.startswith(("ngram", "two-level", "fp8"))]
+"""Cases whose drafter is graph-safe (its draft step is captured in CUDA graphs)."""
