@@ -152,13 +152,15 @@ class ChainPlan:
         widths = self.caps.widths(engine)
         self.caps.write(engine, widths)
         lens = engine.run_draft()
-        drafted = [
-            max(min(w - 1, k if lens is None else lens[b], room - 1), 0) if host.active[b] else 0
-            for b, (w, room) in enumerate(zip(widths, engine.room(), strict=True))
-        ]
-        w = 1 + max(drafted, default=0)
+        caps = [
+            max(min(w - 1, k if lens is None else lens[b]), 0) if host.active[b] else 0
+            for b, w in enumerate(widths)
+        ]  # what the device accept may take of each row's drafts (draft_lens, cut)
+        need = [min(c, room - 1) for c, room in zip(caps, engine.room(), strict=True)]
+        w = 1 + max(need, default=0)  # no wider than the room of the row with the most
         if engine.runner.use_graphs:
             w = _pow2_width(w, k + 1)
+        drafted = [min(c, w - 1) for c in caps]  # what the verify then sees of each row
         engine.mark()
         engine.run_verify(w, engine.bucket(max(host.lens) - 1 + w))
         engine.mark()
