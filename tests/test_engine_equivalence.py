@@ -42,6 +42,8 @@ def test_every_drafter_and_plan_equals_ar(case: str, cfg_kw: dict) -> None:
         res = generate(engine, prompts, max_new, eos)
         assert tokens(res) == want, f"{case} seed={seed} batched"
         drafted += sum(sum(r.stats.drafted) for r in res)
+        for r in res:  # each position is accepted at most as often as it was drafted
+            assert all(a <= d for a, d in zip(r.stats.accepted, r.stats.drafted, strict=True))
         row = seed % len(prompts)
         alone = generate(engine, [prompts[row]], max_new, eos)[0]
         assert alone.tokens == want[row], f"{case} seed={seed} row {row} alone"
