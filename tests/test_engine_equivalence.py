@@ -20,7 +20,7 @@ from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.tree_policy import FixedTree
 from specpilot.forcing import force_tokens
 
-SEEDS = range(3)
+SEEDS = range(4)
 
 
 @pytest.mark.parametrize("cfg_kw", CONFIGS, ids=CONFIG_IDS)
