@@ -224,6 +224,15 @@ def test_graph_safe_steps_never_sync_with_the_host(case: str, guarded: set[str])
     assert want <= guarded, f"{case}: steps {sorted(want - guarded)} never ran"
 
 
+def test_timed_forward_never_syncs(guarded: set[str]) -> None:
+    """``Engine.time_forward`` replays a verify step like a cycle's (captured on CUDA)."""
+    target = tiny_model(tiny_config(), 0)
+    engine = Engine(target, DraftModelDrafter(target, k=3))
+    engine.open(2, 64)
+    engine.prefill([0, 1], [[1, 2, 3], [4, 5]], [0, 0], [3, 2], [8, 8])
+    assert engine.time_forward(4, iters=1) > 0 and "time" in guarded
+
+
 def test_a_step_that_syncs_fails_the_check(
     guarded: set[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
