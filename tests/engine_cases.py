@@ -228,6 +228,3 @@ CASES: dict[str, Case] = {
     ),
 }
 """Every drafter under every plan; the name says ``drafter/plan``."""
-
-DEVICE_CASES = [name for name in CASES if not name.startswith(("ngram", "two-level", "fp8"))]
-"""Cases whose drafter is graph-safe (its draft step is captured in CUDA graphs)."""
