@@ -7,11 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Idle OpenMP threads sleep instead of spinning (read when torch loads libgomp, so set before the
-# import). On two cores shared with other jobs, spinning threads made the same test file run
-# 7 to 70 times slower (6.5 s passive, 54 to 650 s spinning, tests/test_tree_verify.py).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import pytest
 import torch
 
@@ -20,8 +15,12 @@ from specpilot.models import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Two cores in CI: keep torch from oversubscribing them when pytest runs alongside other work.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the test models are tiny, and a second thread only adds a hand-off per op.
+# Measured on the 2-core CI machine (F.linear of [3, 64] x [64, 144]): 2.8 us with one thread,
+# 4.3 us with two spinning threads, 104 us with two sleeping ones (OMP_WAIT_POLICY=PASSIVE); and
+# with other jobs on the cores, spinning threads made tests/test_tree_verify.py take 54 to 650 s
+# instead of 6. SPECPILOT_TEST_THREADS overrides it (e.g. for the real-model tests).
+torch.set_num_threads(int(os.environ.get("SPECPILOT_TEST_THREADS", "1")))
 
 
 def tiny_config(
