@@ -111,16 +111,14 @@ def test_near_tie_is_counted_not_failed():
     prompt = [4, 5, 6]
     a = ar(target, prompt, 6)[2]  # argmax at position 2
     r = cfg.vocab_size - 1 if a != cfg.vocab_size - 1 else cfg.vocab_size - 2
-    with (
-        torch.no_grad()
-    ):  # an exact logit tie between a and r everywhere; argmax keeps the lower id
+    with torch.no_grad():  # a and r tie everywhere, up to the GEMM's rounding of each column
         target.lm_head[r] = target.lm_head[a]
     tokens = ar(target, prompt, 6)
-    assert tokens[2] == min(a, r)
-    tied = [*tokens[:2], max(a, r)]  # later tokens would follow another prefix
+    assert tokens[2] in (a, r)  # exactly equal logits would give min(a, r)
+    tied = [*tokens[:2], a + r - tokens[2]]  # the other one; later tokens follow another prefix
     report = force_tokens(target, [("tie", prompt, tied)])
     assert report.near_ties == 1 and report.mismatches == 0 and report.ok
-    assert report.sequences[0].max_near_tie_gap == 0.0
+    assert report.sequences[0].max_near_tie_gap <= 1e-5  # fp32 rounding, not a real gap
     # a token with a real gap is a mismatch
     worst = int(
         target(torch.tensor([prompt + tokens[:2]]), target.allocate_cache(1, 8))
