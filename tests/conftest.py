@@ -20,8 +20,12 @@ from specpilot.models import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Two cores in CI: keep torch from oversubscribing them when pytest runs alongside other work.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the test models are tiny, and a second thread only adds a hand-off per op.
+# Measured on the 2-core CI machine (F.linear of [3, 64] x [64, 144]): 2.8 us with one thread,
+# 4.3 us with two spinning threads, 104 us with two sleeping ones (OMP_WAIT_POLICY=PASSIVE); and
+# with other jobs on the cores, spinning threads made tests/test_tree_verify.py take 54 to 650 s
+# instead of 6. SPECPILOT_TEST_THREADS overrides it (e.g. for the real-model tests).
+torch.set_num_threads(int(os.environ.get("SPECPILOT_TEST_THREADS", "1")))
 
 
 def tiny_config(

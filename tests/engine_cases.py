@@ -20,7 +20,7 @@ from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.drafters.wrapped import FilteredDrafter
-from specpilot.engine import Engine, generate
+from specpilot.engine import Engine, Request, generate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees
 from specpilot.engine.widths import RowBlockLength, TieredBudget
@@ -62,6 +62,24 @@ def ar_tokens(
 ) -> list[list[int]]:
     """Plain AR (the engine without a drafter), one row per prompt."""
     return tokens(generate(Engine(target), prompts, max_new, eos))
+
+
+def make_requests(
+    rng: random.Random, vocab: int, n: int, target: Transformer | None = None
+) -> list[Request]:
+    """Prompts of 1..70 tokens, budgets of 1..40; with ``target``, an EOS id that its greedy
+    continuation of the first prompt emits mid-way, so that rows finish by EOS mid-batch."""
+    prompts = [tuple(repetitive_prompt(rng, vocab, rng.randint(1, 70))) for _ in range(n)]
+    eos: frozenset[int] = frozenset()
+    if target is not None:
+        cont = ar_tokens(target, [list(prompts[0])], 12)[0]
+        eos = frozenset([cont[rng.randrange(3, 12)]])
+    return [Request(f"r{i}", p, rng.randint(1, 40), eos) for i, p in enumerate(prompts)]
+
+
+def single_ar(target: Transformer, req: Request) -> list[int]:
+    """The request alone under plain AR: what every scheduler run must give it."""
+    return ar_tokens(target, [list(req.prompt_ids)], req.max_new_tokens, tuple(req.stop_ids))[0]
 
 
 def block_drafter(target: Transformer, block: int = 6, seed: int = 3) -> BlockDrafter:
@@ -210,6 +228,3 @@ CASES: dict[str, Case] = {
     ),
 }
 """Every drafter under every plan; the name says ``drafter/plan``."""
-
-DEVICE_CASES = [name for name in CASES if not name.startswith(("ngram", "two-level", "fp8"))]
-"""Cases whose drafter is graph-safe (its draft step is captured in CUDA graphs)."""

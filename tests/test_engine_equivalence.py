@@ -15,19 +15,20 @@ from engine_cases import CASES, CONFIG_IDS, CONFIGS, ar_tokens, repetitive_promp
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
 from specpilot.drafters.simulated import SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree
-from specpilot.engine import Engine, GenerationResult, generate
+from specpilot.engine import Engine, GenerationResult, Request, Scheduler, generate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.tree_policy import FixedTree
 from specpilot.forcing import force_tokens
 
-SEEDS = range(3)
+SEEDS = range(4)
 
 
 @pytest.mark.parametrize("cfg_kw", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_drafter_and_plan_equals_ar(case: str, cfg_kw: dict) -> None:
-    """Per seed: three rows of different lengths in one batch, then one of them alone on the same
-    engine (re-opened for batch 1), against plain AR; the case must really draft."""
+    """Per seed, on one engine: three rows of different lengths in one batch, one of them alone
+    (re-opened for batch 1), then the scheduler over two rows; every request equals plain AR,
+    and the case must really draft."""
     cfg = tiny_config(**cfg_kw)
     drafted = 0
     for seed in SEEDS:
@@ -42,9 +43,18 @@ def test_every_drafter_and_plan_equals_ar(case: str, cfg_kw: dict) -> None:
         res = generate(engine, prompts, max_new, eos)
         assert tokens(res) == want, f"{case} seed={seed} batched"
         drafted += sum(sum(r.stats.drafted) for r in res)
+        for r in res:  # each position is accepted at most as often as it was drafted
+            assert all(a <= d for a, d in zip(r.stats.accepted, r.stats.drafted, strict=True))
         row = seed % len(prompts)
         alone = generate(engine, [prompts[row]], max_new, eos)[0]
         assert alone.tokens == want[row], f"{case} seed={seed} row {row} alone"
+        # continuous batching: four requests through two rows, prompts fed in segments, so
+        # rows are refilled while the other decodes (drafter and plan forget the old sequence)
+        sched = Scheduler(engine, slots=2, segment_tokens=rng.choice((5, 16)), max_context=96)
+        reqs = [Request(str(i), tuple(p), max_new, frozenset(eos)) for i, p in enumerate(prompts)]
+        reqs.append(Request("again", tuple(prompts[0]), max_new, frozenset(eos)))
+        got = [r.tokens for r in sched.run(reqs)]
+        assert got == [*want, want[0]], f"{case} seed={seed} scheduler"
         if isinstance(engine.drafter, SimulatedAcceptance):
             assert engine.drafter.divergences == 0  # fp32: the verify and the oracle agree
     assert drafted > 0, f"{case} never drafted"

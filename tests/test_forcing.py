@@ -7,12 +7,19 @@ import torch
 
 from conftest import tiny_config, tiny_model
 from specpilot.drafters import DraftModelDrafter
-from specpilot.engine import SpecEngine, VerifyOutcome, greedy_verify
+from specpilot.engine import Engine, VerifyOutcome, generate, greedy_verify
+from specpilot.engine import accept as accept_mod
+from specpilot.engine.plans import ChainPlan
 from specpilot.forcing import force_tokens, near_tie_tolerance
 
 
+def ar(target: torch.nn.Module, prompt: list[int], max_new: int) -> list[int]:
+    return generate(Engine(target), [prompt], max_new)[0].tokens  # type: ignore[arg-type]
+
+
 class AcceptsOneWrongToken:
-    """A broken verifier: once, it accepts the first rejected draft token as if it matched."""
+    """A broken verifier: once, it accepts the first rejected draft token as if it matched
+    (installed where the engine's accept step calls ``greedy_verify``)."""
 
     def __init__(self) -> None:
         self.fired = False
@@ -30,16 +37,16 @@ class AcceptsOneWrongToken:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_fault_injected_engine_is_caught(seed):
+def test_fault_injected_engine_is_caught(seed, monkeypatch):
     cfg = tiny_config(vocab=67)
     target, draft = tiny_model(cfg, seed), tiny_model(cfg, seed + 50)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     faulty = AcceptsOneWrongToken()
-    bad = SpecEngine(target, DraftModelDrafter(draft, k=4), verify_fn=faulty).generate(
-        [prompt], 40
-    )[0]
+    monkeypatch.setattr(accept_mod, "greedy_verify", faulty)
+    bad = generate(Engine(target, DraftModelDrafter(draft, k=4)), [prompt], 40)[0]
     assert faulty.fired
-    good = SpecEngine(target).generate([prompt], 40)[0]
+    monkeypatch.undo()
+    good = generate(Engine(target), [prompt], 40)[0]
     assert bad.tokens != good.tokens
     report = force_tokens(target, [("bad", prompt, bad.tokens), ("good", prompt, good.tokens)])
     assert not report.ok and report.mismatches >= 1
@@ -59,22 +66,59 @@ def test_fault_injected_engine_is_caught(seed):
     assert report.sequences[1].ok
 
 
+class CommitsOneWrongBonus(ChainPlan):
+    """A broken plan: in one cycle it replaces row 0's bonus token by another token, on the
+    device as well (the engine then decodes on from the wrong prefix, as a real bug would)."""
+
+    def __init__(self, at_cycle: int) -> None:
+        super().__init__()
+        self.at_cycle = at_cycle
+        self.cycles = 0
+        self.wrong: int | None = None
+
+    def cycle(self, engine):  # type: ignore[no-untyped-def]
+        w, drafted = super().cycle(engine)
+        self.cycles += 1
+        if self.cycles == self.at_cycle:
+            st = engine.state
+            n, end = int(st.accepted[0]), int(st.committed_len[0])
+            self.wrong = (int(st.verify_argmax[0, n]) + 1) % engine.target.cfg.vocab_size
+            st.verify_argmax[0, n] = self.wrong
+            st.tokens[0, end - 1] = self.wrong
+            st.pending[0] = self.wrong
+        return w, drafted
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_committing_a_wrong_token_is_caught_where_it_did(seed):
+    cfg = tiny_config(vocab=67, arch="qwen3")
+    target = tiny_model(cfg, seed)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    plan = CommitsOneWrongBonus(at_cycle=3)
+    bad = generate(Engine(target, DraftModelDrafter(target, k=3), plan=plan), [prompt], 30)[0]
+    assert plan.wrong is not None
+    report = force_tokens(target, [("bad", prompt, bad.tokens)])
+    assert not report.ok and report.mismatches == 1 and report.near_ties == 0
+    _, first = report.first_mismatch()
+    assert first.token == plan.wrong == bad.tokens[first.position]
+    good = ar(target, prompt, 30)
+    assert bad.tokens[: first.position] == good[: first.position]
+
+
 def test_near_tie_is_counted_not_failed():
     cfg = tiny_config(vocab=41, tie=False)
     target = tiny_model(cfg, 3)
     prompt = [4, 5, 6]
-    a = SpecEngine(target).generate([prompt], 6)[0].tokens[2]  # argmax at position 2
+    a = ar(target, prompt, 6)[2]  # argmax at position 2
     r = cfg.vocab_size - 1 if a != cfg.vocab_size - 1 else cfg.vocab_size - 2
-    with (
-        torch.no_grad()
-    ):  # an exact logit tie between a and r everywhere; argmax keeps the lower id
+    with torch.no_grad():  # a and r tie everywhere, up to the GEMM's rounding of each column
         target.lm_head[r] = target.lm_head[a]
-    tokens = SpecEngine(target).generate([prompt], 6)[0].tokens
-    assert tokens[2] == min(a, r)
-    tied = [*tokens[:2], max(a, r)]  # later tokens would follow another prefix
+    tokens = ar(target, prompt, 6)
+    assert tokens[2] in (a, r)  # exactly equal logits would give min(a, r)
+    tied = [*tokens[:2], a + r - tokens[2]]  # the other one; later tokens follow another prefix
     report = force_tokens(target, [("tie", prompt, tied)])
     assert report.near_ties == 1 and report.mismatches == 0 and report.ok
-    assert report.sequences[0].max_near_tie_gap == 0.0
+    assert report.sequences[0].max_near_tie_gap <= 1e-5  # fp32 rounding, not a real gap
     # a token with a real gap is a mismatch
     worst = int(
         target(torch.tensor([prompt + tokens[:2]]), target.allocate_cache(1, 8))
@@ -104,7 +148,7 @@ def test_mismatch_reports_its_tolerance():
     cfg = tiny_config(vocab=41)
     target = tiny_model(cfg, 5)
     prompt = [1, 2, 3]
-    tokens = SpecEngine(target).generate([prompt], 4)[0].tokens
+    tokens = ar(target, prompt, 4)
     with torch.inference_mode():
         worst = int(
             target(torch.tensor([prompt]), target.allocate_cache(1, 8)).logits[0, -1].argmin()

@@ -1,13 +1,12 @@
-"""FP8 pre-filter (batched): FP8 round-trip bounds, spec == AR in fp32 with the pre-filter on (FP8,
-random and unrelated cheap models), the cut rule and that it really cuts, min_batch, the
-registry and build, and the GPU script's --smoke mode on the CPU."""
+"""FP8 pre-filter (batched): FP8 round-trip bounds, continuous batching == single-request AR in fp32
+with the pre-filter wrapping the drafter (FP8, random and unrelated cheap models), the cut rule
+and that it really cuts, min_batch, the registry and build. The wrapper under every plan and
+config: ``tests/test_engine_equivalence.py``; the GPU script: ``tests/test_bench_scripts.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,8 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
+from engine_cases import make_requests, single_ar
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
-from specpilot.engine.batching import BatchScheduler, Request
+from specpilot.drafters.base import Drafter
+from specpilot.drafters.wrapped import DraftFilter, FilteredDrafter
+from specpilot.engine import Engine, Request, Scheduler
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.errors import SpecPilotError
@@ -34,9 +36,19 @@ from specpilot.mechanisms.fp8_copy import (
 from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
 from specpilot.models.transformer import Transformer
 from specpilot.tune.space import directions_for
-from test_batching import make_requests, single_ar
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def scheduler(
+    target: Transformer,
+    drafter: Drafter,
+    keep: DraftFilter | None,
+    slots: int,
+    segment_tokens: int | None = None,
+) -> Scheduler:
+    """Continuous batching over ``drafter``, wrapped by the draft filter ``keep`` when given."""
+    if keep is not None:
+        drafter = FilteredDrafter(drafter, keep, "fp8-prefilter")
+    return Scheduler(Engine(target, drafter), slots=slots, segment_tokens=segment_tokens)
 
 
 # ---------------------------------------------------------------- the FP8 copy
@@ -147,7 +159,7 @@ def test_scheduler_with_prefilter_equals_ar(seed: int) -> None:
         pre = Fp8Prefilter(cheaps[name], margin=margin, min_batch=1, catch_up=catch_up)
         order = list(reqs)
         rng.shuffle(order)
-        sched = BatchScheduler(target, drafter, slots=slots, segment_tokens=segment, prefilter=pre)
+        sched = scheduler(target, drafter, pre, slots, segment)
         got = {r.id: r.tokens for r in sched.run(order)}
         label = f"{name} {drafter.name} k={drafter.k} slots={slots} margin={margin}"
         assert got == want, label
@@ -208,7 +220,7 @@ def test_prefilter_cuts_the_exact_verify_when_the_cheap_model_disagrees() -> Non
         ("off", None),
         ("on", Fp8Prefilter(_random_cheap(target, 0), margin=0, min_batch=1)),
     ):
-        sched = BatchScheduler(target, DraftModelDrafter(target, k=6), slots=4, prefilter=pre)
+        sched = scheduler(target, DraftModelDrafter(target, k=6), pre, slots=4)
         for r in reqs:
             sched.submit(r)
         drafted = steps = 0
@@ -251,7 +263,7 @@ def test_min_batch_is_respected() -> None:
     want = {r.id: single_ar(target, r) for r in reqs}
     for min_batch in (1, 3, 6):
         pre = _Counting(_random_cheap(target, 1), min_batch)
-        sched = BatchScheduler(target, DraftModelDrafter(target, k=4), slots=5, prefilter=pre)
+        sched = scheduler(target, DraftModelDrafter(target, k=4), pre, slots=5)
         got = {r.id: r.tokens for r in sched.run(reqs)}
         assert got == want
         seen = pre.rows_seen
@@ -269,11 +281,10 @@ def test_bad_prefilter_settings_and_answers() -> None:
     for kw in ({"margin": -1}, {"min_batch": 0}, {"catch_up": 0}):
         with pytest.raises(ValueError):
             Fp8Prefilter(target, **kw)  # type: ignore[arg-type]
-    sched = BatchScheduler(target, NgramDrafter(k=3), slots=2, prefilter=lambda c, d: [1])
+    sched = scheduler(target, NgramDrafter(k=3), lambda c, d: [1], slots=2)
     sched.submit(Request("a", (1, 2, 1, 2, 1, 2), 8))
-    sched.step()  # prefill: no drafts, the pre-filter is not asked
-    with pytest.raises(ValueError, match="pre-filter gave 1 rows, expected 2"):
-        sched.step()
+    with pytest.raises(ValueError, match="draft filter gave 1 rows, expected 2"):
+        sched.step()  # the prompt goes in and the row decodes in the same step
 
 
 def test_scheduler_clamps_whatever_the_prefilter_says() -> None:
@@ -284,58 +295,47 @@ def test_scheduler_clamps_whatever_the_prefilter_says() -> None:
     reqs = make_requests(rng, cfg.vocab_size, 4, target)
     want = {r.id: single_ar(target, r) for r in reqs}
     for answer in (-3, 0, 2, 99):
-        sched = BatchScheduler(
-            target,
-            NgramDrafter(k=5),
-            slots=3,
-            prefilter=lambda c, d, a=answer: [a] * len(d),
-        )
+        sched = scheduler(target, NgramDrafter(k=5), lambda c, d, a=answer: [a] * len(d), 3)
         assert {r.id: r.tokens for r in sched.run(reqs)} == want, answer
 
 
 # ---------------------------------------------------------------- registry and build
-def test_registered_for_the_batched_scheduler_on_cuda(tmp_path: Path) -> None:
+def _config(tmp_path: Path, mode: str = "batched") -> EngineConfig:
     from test_cli import tiny_dir
 
+    dep = DeploymentSpec(target=str(tiny_dir(tmp_path / "m")), drafter="ngram", mode=mode)
+    return EngineConfig(dep, k=4, drafter_knobs={"max_n": 3, "min_n": 1})
+
+
+def test_registered_for_the_batched_scheduler_on_cuda(tmp_path: Path) -> None:
     mech = MECHANISMS["fp8-prefilter"]
     assert mech.resolve_knobs({}) == {"margin": 1, "min_batch": 8}
-    assert mech.engines == ("scheduler",) and mech.component == "verify"
+    assert mech.component == "verify" and mech.plug_point == "drafter_schedule"
     assert mech.applies.allows("cuda", "bf16", "ngram", "batched", "llama")
     assert not mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "batched", "llama")
     with pytest.raises(ValueError):
         mech.resolve_knobs({"margin": 9})
-    dep = DeploymentSpec(target=str(tiny_dir(tmp_path / "m")), drafter="ngram", mode="batched")
-    base = EngineConfig(dep, k=4, drafter_knobs={"max_n": 3, "min_n": 1})
-    names = {d.name for d in directions_for(base, "cuda", "llama", num_layers=2)}
-    assert "mechanism:fp8-prefilter" in names and "mechanism:adaptive-block" in names
-    single = dataclasses.replace(base, deployment=dataclasses.replace(dep, mode="single"))
-    assert "mechanism:fp8-prefilter" not in {
-        d.name for d in directions_for(single, "cuda", "llama")
-    }
-    assert "mechanism:fp8-prefilter" not in {d.name for d in directions_for(base, "cpu", "llama")}
-    build = build_engine(base, 256)
+    build = build_engine(_config(tmp_path), 256)
     mech.apply(build, mech.resolve_knobs({"margin": 2, "min_batch": 3}))
-    pre = build.prefilter
+    wrapped = build.drafter
+    assert isinstance(wrapped, FilteredDrafter) and wrapped.inner.name == "ngram"
+    pre = wrapped.keep
     assert isinstance(pre, Fp8Prefilter) and (pre.margin, pre.min_batch) == (2, 3)
-    assert build.scheduler(2).prefilter is pre
+    assert build.scheduler(2).engine.drafter is wrapped
     build.drafter = None
     with pytest.raises(SpecPilotError, match="needs a drafter"):
         mech.apply(build, mech.resolve_knobs({}))
 
 
-# ---------------------------------------------------------------- the GPU script, on the CPU
-def test_gpu_script_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import fp8_prefilter_gpu
-    finally:
-        sys.path.pop(0)
-    result = fp8_prefilter_gpu.main(["--smoke", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert "fp8 pre-filter" in out and "layers" in out
-    saved = json.loads((tmp_path / "fp8_prefilter_gpu.json").read_text())
-    assert saved["runs"] == result["runs"] and result["runs"]
-    for row in result["runs"]:
-        assert row["tokens_equal"], row
-        assert row["prefilter"]["rows"] > 0
+def test_tuner_offers_it_only_where_it_applies(tmp_path: Path) -> None:
+    base = _config(tmp_path)
+    names = {d.name for d in directions_for(base, "cuda", "llama", num_layers=2)}
+    assert "mechanism:fp8-prefilter" in names and "mechanism:adaptive-block" in names
+    single = dataclasses.replace(
+        base, deployment=dataclasses.replace(base.deployment, mode="single")
+    )
+    assert "mechanism:fp8-prefilter" not in {
+        d.name for d in directions_for(single, "cuda", "llama")
+    }
+    assert "mechanism:fp8-prefilter" not in {d.name for d in directions_for(base, "cpu", "llama")}

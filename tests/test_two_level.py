@@ -1,6 +1,7 @@
 """Two-level verification: INT8 round-trip bounds, the INT8 kernel under TRITON_INTERPRET=1, the
 cheap scorer's cache rollback, spec == AR in fp32 with the cheap level on (good, perfect and
-broken cheap levels), the cost model, the registry, and the GPU script's --tiny mode.
+broken cheap levels), the cost model and the registry (the wrapper under every plan and config:
+``tests/test_engine_equivalence.py``; the GPU script's --tiny mode: ``tests/test_bench_scripts.py``).
 
 Interpreter checks run in a subprocess (``python tests/test_two_level.py <group>``) because the
 interpreter must be switched on before triton is imported.
@@ -8,7 +9,6 @@ interpreter must be switched on before triton is imported.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from conftest import run_interpreted, tiny_config, tiny_model
+from engine_cases import CONFIGS, repetitive_prompt
 from specpilot.bench.two_level import agreement, survival
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
-from specpilot.engine import AcceptanceStats, SpecEngine
+from specpilot.engine import AcceptanceStats, Engine, generate
 from specpilot.engine.verify import greedy_verify
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import MECHANISMS
@@ -28,7 +29,6 @@ from specpilot.mechanisms.int8_copy import cheap_model, dequantize, quantize
 from specpilot.mechanisms.two_level import TwoLevelDrafter, wrap
 from specpilot.mechanisms.two_level_cost import committed_two_level, predict
 from specpilot.models.transformer import Transformer
-from test_engine_equivalence import CONFIGS, repetitive_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,11 @@ def test_scorer_rolls_back_and_matches_a_fresh_forward() -> None:
 
 # ---------------------------------------------------------------- losslessness in fp32
 def _ar(target: Transformer, prompts, max_new, eos):
-    return [r.tokens for r in SpecEngine(target).generate(prompts, max_new, eos)]
+    return [r.tokens for r in generate(Engine(target), prompts, max_new, eos)]
+
+
+def _spec(target: Transformer, drafter, prompts, max_new, eos=()):
+    return generate(Engine(target, drafter), prompts, max_new, eos)
 
 
 @pytest.mark.parametrize(
@@ -106,11 +110,11 @@ def test_two_level_equals_ar(cfg_kw, seed):
     for k, ext in ((1, 0), (4, 3)):
         for inner in (NgramDrafter(k=k, max_n=rng.randint(1, 3)), DraftModelDrafter(draft, k=k)):
             drafter = TwoLevelDrafter(inner, cheap, ext)
-            res = SpecEngine(target, drafter).generate(prompts, max_new, eos)
+            res = _spec(target, drafter, prompts, max_new, eos)
             assert [r.tokens for r in res] == want, f"{inner.name} k={k} ext={ext} batched"
             assert drafter.stats.rows > 0
     drafter = TwoLevelDrafter(NgramDrafter(k=3), cheap, 2)  # rows alone (batch-1 fast path)
-    runs = [SpecEngine(target, drafter).generate([p], max_new, eos)[0] for p in prompts]
+    runs = [_spec(target, drafter, [p], max_new, eos)[0] for p in prompts]
     assert [r.tokens for r in runs] == want
     cycles = sum(r.stats.cycles for r in runs)  # one block forward + up to 2 extension steps each
     assert cycles <= drafter.stats.forwards <= 3 * cycles
@@ -134,7 +138,7 @@ def test_broken_cheap_level_changes_no_token(seed):
     want = _ar(target, prompts, 24, [])
     for cheap, ext in ((broken, 3), (unrelated, 0)):
         drafter = TwoLevelDrafter(NgramDrafter(k=4), cheap, ext)
-        got = [r.tokens for r in SpecEngine(target, drafter).generate(prompts, 24)]
+        got = [r.tokens for r in _spec(target, drafter, prompts, 24)]
         assert got == want
         assert drafter.stats.appended > 0
 
@@ -151,7 +155,7 @@ def test_perfect_cheap_level_makes_every_block_accepted(seed):
     for ext in (0, 2):
         inner = DraftModelDrafter(tiny_model(cfg, seed + 5), k=3)
         drafter = TwoLevelDrafter(inner, target, ext)
-        res = SpecEngine(target, drafter).generate(prompts, 30)
+        res = _spec(target, drafter, prompts, 30)
         assert [r.tokens for r in res] == want
         for r in res:
             assert r.stats.accepted == r.stats.drafted  # every drafted position accepted
@@ -255,17 +259,6 @@ def test_registered_where_it_can_pay():
 # ---------------------------------------------------------------- interpreter (subprocess)
 def test_kernel_matches_reference_in_interpreter() -> None:
     assert "kernel ok" in run_interpreted([str(Path(__file__).resolve()), "kernel"])
-
-
-def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
-    out = run_interpreted(
-        [str(ROOT / "bench" / "two_level_gpu.py"), "--tiny", "--out", str(tmp_path)]
-    )
-    assert "two-level" in out
-    result = json.loads((tmp_path / "two_level_gpu.json").read_text())
-    assert result["kernel"] and all(r["err_ok"] for r in result["kernel"])
-    for row in result["e2e"]:
-        assert row["equal_to_ar"] and row["lossless_ok"], row
 
 
 # ---------------------------------------------------------------- groups run in the subprocess

@@ -60,6 +60,33 @@ class VerifyPlan(Protocol):
     def observe(self, row: int, drafted: int, accepted: int) -> None: ...
 
 
+def _rows_fit(rows: PackedRows | None, batch: int, width: int) -> bool:
+    """Whether buffers bound earlier serve this batch as they are. They must be kept then: the
+    graphs an engine captured read them, and ``open`` re-binds the plan without recapturing."""
+    return rows is not None and (rows.batch, rows.width) == (batch, width)
+
+
+def _tree_bufs_fit(
+    bufs: TreeBuffers | None,
+    batch: int,
+    width: int,
+    k: int,
+    ranks: int,
+    hidden: tuple[int, int, torch.dtype] | None,
+) -> bool:
+    """Like :func:`_rows_fit`, for the tree buffers (``TreeBuffers.allocate``'s arguments)."""
+    if bufs is None or (bufs.hidden is None) != (hidden is None):
+        return False
+    if tuple(bufs.tokens.shape) != (batch, width):
+        return False
+    if tuple(bufs.candidates.shape) != (batch, max(k, 1), max(ranks, 1)):
+        return False
+    if bufs.hidden is None or hidden is None:
+        return True
+    n_sel, size, dtype = hidden
+    return tuple(bufs.hidden.shape) == (n_sel, batch, width, size) and bufs.hidden.dtype == dtype
+
+
 def _pow2_width(w: int, cap: int) -> int:
     """Smallest power of two >= ``w``, capped at ``cap`` (graph keys stay few)."""
     p = 1
@@ -125,27 +152,20 @@ class ChainPlan:
         widths = self.caps.widths(engine)
         self.caps.write(engine, widths)
         lens = engine.run_draft()
-        drafted = [
-            max(min(w - 1, k if lens is None else lens[b], room - 1), 0) if host.active[b] else 0
-            for b, (w, room) in enumerate(zip(widths, engine.room(), strict=True))
-        ]
-        w = 1 + max(drafted, default=0)
+        caps = [
+            max(min(w - 1, k if lens is None else lens[b]), 0) if host.active[b] else 0
+            for b, w in enumerate(widths)
+        ]  # what the device accept may take of each row's drafts (draft_lens, cut)
+        need = [min(c, room - 1) for c, room in zip(caps, engine.room(), strict=True)]
+        w = 1 + max(need, default=0)  # no wider than the room of the row with the most
         if engine.runner.use_graphs:
             w = _pow2_width(w, k + 1)
+        drafted = [min(c, w - 1) for c in caps]  # what the verify then sees of each row
         engine.mark()
         engine.run_verify(w, engine.bucket(max(host.lens) - 1 + w))
         engine.mark()
         engine.run_accept(w - 1)
-        # The room cap only narrows the block; the accept sees every draft inside it (up to the
-        # row's cap), so those are the positions drafted (an accepted length never exceeds it).
-        capped = self.caps.policy is not None
-        seen = [
-            min(w - 1, k if lens is None else lens[b], wb - 1 if capped else k)
-            if host.active[b]
-            else 0
-            for b, wb in enumerate(widths)
-        ]
-        return w, seen
+        return w, drafted
 
 
 class PackedPlan:
@@ -165,7 +185,8 @@ class PackedPlan:
 
     def bind(self, engine: Engine) -> None:
         self.caps.bind(engine)
-        self.rows = PackedRows.allocate(engine.batch, engine.k + 1, engine.device)
+        if not _rows_fit(self.rows, engine.batch, engine.k + 1):
+            self.rows = PackedRows.allocate(engine.batch, engine.k + 1, engine.device)
         self.rows_verified = 0
 
     def reset_row(self, row: int) -> None:
@@ -253,8 +274,10 @@ class TreePlan:
         if drafter.hidden_layers:
             cfg = engine.target.cfg
             hid = (len(drafter.hidden_layers), cfg.hidden_size, engine.target.dtype)
-        self.bufs = TreeBuffers.allocate(engine.batch, w, engine.k, ranks, hid, engine.device)
-        self.rows = PackedRows.allocate(engine.batch, w, engine.device)
+        if not _tree_bufs_fit(self.bufs, engine.batch, w, engine.k, ranks, hid):
+            self.bufs = TreeBuffers.allocate(engine.batch, w, engine.k, ranks, hid, engine.device)
+        if not _rows_fit(self.rows, engine.batch, w):
+            self.rows = PackedRows.allocate(engine.batch, w, engine.device)
         self.rows_verified = 0
 
     def reset_row(self, row: int) -> None:
