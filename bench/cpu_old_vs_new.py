@@ -80,7 +80,9 @@ def main() -> None:
     tok = new.tokenizer
     assert tok is not None
     eos = list(tok.eos_token_ids)
-    prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set(args.prompts, args.limit)]
+    prompts = [
+        tok.apply_chat_template(p.messages) for p in load_prompt_set(args.prompts, args.limit)
+    ]
     n = args.max_new_tokens
     ar_new, ng_new = Engine(new.model), Engine(new.model, NgramDrafter(k=8))
     ar_old, ng_old = SpecEngine(old.model), SpecEngine(old.model, OldNgram(k=8))

@@ -142,12 +142,12 @@ def main() -> None:
     for i in range(min(len(prompts), max(levels))):
         res = generate(engine, [prompts[i]], args.max_tokens, dep.eos_ids)[0]
         offline[i] = dep.target.tokenizer.decode(res.tokens, skip_special_tokens=True)  # type: ignore[union-attr]
-    for c, r in results["levels"].items():
+    for r in results["levels"].values():
         same = [t == offline[i % len(prompts)] for i, t in enumerate(r["texts"])]
         r["equal_to_offline"] = f"{sum(same)}/{len(same)}"
         del r["texts"]
     single = results["levels"].get("1", {}).get("tok_s")
-    for c, r in results["levels"].items():
+    for r in results["levels"].values():
         r["over_single"] = r["tok_s"] / single if single else None
     (args.out / "serve_concurrency.json").write_text(json.dumps(results, indent=1))
     print("concurrency  aggregate tok/s  x single  equal to offline")

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from engine_cases import repetitive_prompt
 from specpilot.cli import main
 from specpilot.drafters import DraftModelDrafter
 from specpilot.drafters.early_exit import early_exit_model
@@ -30,7 +31,6 @@ from specpilot.tune.explorers import Explorer, make_explorer
 from specpilot.tune.local_search import LocalSearchExplorer
 from specpilot.tune.loop import TuneLoop, TuneSettings
 from specpilot.tune.space import Direction, directions_for, early_exit_layers
-from engine_cases import repetitive_prompt
 from test_tune import tiny, tune_argv  # noqa: F401  (tiny is a fixture)
 
 BASE = EngineConfig(deployment=DeploymentSpec(target="t"), k=4, drafter_knobs={"a": 1})
