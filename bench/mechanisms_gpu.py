@@ -1,4 +1,4 @@
-"""Issue 6 on the GPU: certified exact-argmax LM head and tree vs chain verify, seeded bf16 weights.
+"""Issue 6 on the GPU: the certified exact-argmax LM head, and the verify forward's cost by width.
 
     PYTHONPATH=src python3 bench/mechanisms_gpu.py --out DIR          # H200, < 2 minutes
     PYTHONPATH=src python3 bench/mechanisms_gpu.py --out DIR --tiny   # CPU smoke run (tests)
@@ -9,9 +9,9 @@
    ~8 standard deviations clear, like a confident trained model). Every timed call's ids are
    compared with the stock ids (``mismatches`` must be 0) and the certified fraction is reported,
    with the HBM roofline of each (bytes of the head ÷ 4.25 TB/s).
-2. Verify cost at the Llama-3-8B shape (``specpilot.synthetic``): one target forward of a chain of
-   T tokens (causal) vs a tree of T tokens (tree mask, positions by depth), T = 1..64, after a
-   512-token prefix; plus the AR step (T = 1) and a 16-token verify with the certified head.
+2. Verify cost at the Llama-3-8B shape (``specpilot.synthetic``): one stock target forward of a
+   chain of T tokens (causal), T = 1..64, after a 512-token prefix; plus the AR step (T = 1) and
+   a 16-token verify with the certified head. (Trees are timed on the engine's tree plan now.)
 Times are medians of CUDA-synchronised wall clocks after warm-up. JSON goes to DIR/mechanisms_gpu.json
 (rewritten after each section, so a timeout keeps what finished); a short table is printed last.
 """
@@ -146,21 +146,6 @@ def lm_head_section(args: argparse.Namespace, dev: torch.device, out: dict[str, 
             torch.cuda.empty_cache()
 
 
-def tree_inputs(
-    t: int, start: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # positions [1, T], tree mask [1, T, T]
-    """A random tree of ``t`` tokens (root first, parents precede children)."""
-    gen = torch.Generator().manual_seed(seed)
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, t)]
-    depth = [0] * t
-    mask = torch.eye(t, dtype=torch.bool)
-    for i in range(1, t):
-        depth[i] = depth[parents[i]] + 1
-        mask[i] |= mask[parents[i]]
-    pos = torch.tensor([start + d for d in depth])[None]
-    return pos, mask[None]
-
-
 def verify_section(args: argparse.Namespace, dev: torch.device, out: dict[str, Any]) -> None:
     from specpilot import synthetic
 
@@ -179,27 +164,12 @@ def verify_section(args: argparse.Namespace, dev: torch.device, out: dict[str, A
     widths = [1, 2, 4, 8, 16, 24, 32, 48, 64] if not args.tiny else [1, 4, 8]
     for t in widths:
         toks = torch.randint(0, vocab, (1, t), generator=gen).to(dev)
-        pos, mask = tree_inputs(t, prefix, seed=t)
-        pos, mask = pos.to(dev), mask.to(dev)
 
         def chain(toks: torch.Tensor = toks) -> None:
             with torch.inference_mode():
                 target.forward_argmax(toks, cache)
 
-        def tree(
-            toks: torch.Tensor = toks, pos: torch.Tensor = pos, m: torch.Tensor = mask
-        ) -> None:
-            with torch.inference_mode():
-                target.forward_argmax(toks, cache, positions=pos, tree_mask=m)
-
-        recs.append(
-            {
-                "shape": shape,
-                "tokens": t,
-                "chain_ms": median_time(chain, dev, iters) * 1e3,
-                "tree_ms": median_time(tree, dev, iters) * 1e3,
-            }
-        )
+        recs.append({"shape": shape, "tokens": t, "chain_ms": median_time(chain, dev, iters) * 1e3})
     # The certified head inside the target: AR step and a 16-token verify.
     target.argmax_head = ExactArgmaxHead(target, fmt="int8" if dev.type == "cuda" else "fp16")
     for t in (1, 16) if not args.tiny else (1, 4):
@@ -222,12 +192,10 @@ def table(out: dict[str, Any]) -> str:
             f"{'':22}{r['vocab']:6d} {r['rows']:5d}  {r['kind']:6s} {r['stock_ms']:7.3f} "
             f"{r['exact_ms']:7.3f} {r['speedup']:7.2f}x {r['certified_frac']:5.2f} {r['mismatches']:4d}"
         )
-    lines.append("Verify forward (ms)   shape        T   chain    tree   exact-head")
+    lines.append("Verify forward (ms)   shape        T   chain   exact-head")
     for r in out.get("verify", []):
         if "chain_ms" in r:
-            lines.append(
-                f"{'':22}{r['shape']:11s} {r['tokens']:3d} {r['chain_ms']:7.3f} {r['tree_ms']:7.3f}"
-            )
+            lines.append(f"{'':22}{r['shape']:11s} {r['tokens']:3d} {r['chain_ms']:7.3f}")
         else:
             lines.append(
                 f"{'':22}{r['shape']:11s} {r['tokens']:3d} {'':15} {r['exact_head_ms']:7.3f}"
