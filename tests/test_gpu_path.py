@@ -368,7 +368,8 @@ def _group_forward() -> None:
     gen = torch.Generator().manual_seed(0)
     for arch in ("llama", "qwen3"):
         model = tiny(arch, seed=3)
-        fused, ref = Forward(model, use_triton=True), Forward(model, use_triton=False)
+        fused = Forward(model, use_triton=True, fuse_residual=True)  # the CUDA configuration
+        ref = Forward(model, use_triton=False)
         assert fused._k is not None and ref._k is None and fused.fuse_residual
         b, w = 3, 7
         prefix = torch.randint(0, 101, (b, 12), generator=gen)

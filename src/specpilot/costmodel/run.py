@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specpilot.costmodel.measure import CLOCKS
-from specpilot.engine import AcceptanceStats, Engine, generate
+from specpilot.engine import AcceptanceStats, CycleTimes, Engine, generate
 
 PHASES = ("draft", "verify", "accept", "other")
 """The engine's decode-time split (``CycleTimes``): other = wall − draft − verify − accept."""
@@ -111,6 +111,7 @@ def _decode_once(
     wall to CPU time by the same ratio.
     """
     now = CLOCKS[clock]
+    engine.times = CycleTimes()  # this generation's timers alone
     c0 = now()
     res = generate(engine, [ids], max_new, eos)[0]
     cpu = now() - c0
