@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     tok = dep.target.tokenizer
     assert tok is not None, "the offline reference needs the target's tokenizer"
     engine = dep.build.engine()
-    warm_up([engine], tok.encode("Hello, world. Hello, world."), dep.eos_ids)
+    warm_up([engine], [("warm", tok.encode("Hello, world. Hello, world."))], 8, dep.eos_ids)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req: dict[str, Any] = json.loads(line)
