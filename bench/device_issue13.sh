@@ -15,18 +15,18 @@ DIR=/tmp/llama3-8b
 DEP="--target $DIR --device cuda --dtype bf16"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 if [ "$part" = all ] || [ "$part" = tests ]; then
-  TAIL=3 step pytest 240 python3 -m pytest -q -x tests/test_graphs.py tests/test_scheduler.py tests/test_costmodel.py -k "cuda or graph"
+  TAIL=12 step pytest 240 python3 -m pytest -q -p no:cacheprovider tests/test_graphs.py tests/test_scheduler.py tests/test_serve_worker.py tests/test_bench_batched.py tests/test_costmodel.py tests/test_w12.py -k "cuda_graphs or on_cuda or pieces_in_cuda or profile_on_cuda or prmt_decode"
 fi
 [ -d "$DIR" ] || TAIL=2 step hfdir 240 python3 bench/make_hf_dir.py --shape llama3-8b --tokenizer .carry/smollm2-tok --out "$DIR"
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  TAIL=8 step suite 240 python3 bench/gpu_suite.py --out "$out/suite" --target-shape llama3-8b --no-hf --no-profile --no-k8 --verify-widths 1,16
+  TAIL=8 step suite 200 python3 bench/gpu_suite.py --out "$out/suite" --target-shape llama3-8b --no-hf --no-profile --no-k8 --verify-widths 1,16
   for i in 1 2 3; do
-    TAIL=4 step "bench_ar$i" 200 $SP bench $DEP --drafter none --prompts copy-heavy --limit 2 --max-new-tokens 256 --rounds 3 --json --out "$out/bench_ar$i.jsonl"
+    TAIL=4 step "bench_ar$i" 150 $SP bench $DEP --drafter none --prompts copy-heavy --limit 2 --max-new-tokens 256 --rounds 3 --json --out "$out/bench_ar$i.jsonl"
   done
 fi
 if [ "$part" = all ] || [ "$part" = tune ]; then
-  TAIL=14 step tune_random 330 $SP tune $DEP --prompts copy-heavy --limit 2 --max-new-tokens 128 --budget 240 --compare-limit 1 --rank-gaps static --out "$out/tune_random" --memory "$out/mem.sqlite"
-  TAIL=20 step tune_sim 420 $SP tune $DEP --drafter block --simulate-acceptance tau=6.5,block=16 --prompts copy-heavy --limit 2 --max-new-tokens 128 --budget 330 --compare-limit 1 --rank-gaps static --out "$out/tune_sim" --memory "$out/mem.sqlite"
+  TAIL=14 step tune_random 240 $SP tune $DEP --prompts copy-heavy --limit 2 --max-new-tokens 128 --budget 170 --compare-limit 1 --rank-gaps static --out "$out/tune_random" --memory "$out/mem.sqlite"
+  TAIL=20 step tune_sim 330 $SP tune $DEP --drafter block --simulate-acceptance tau=6.5,block=16 --prompts copy-heavy --limit 2 --max-new-tokens 128 --budget 260 --compare-limit 1 --rank-gaps static --out "$out/tune_sim" --memory "$out/mem.sqlite"
 fi
 if [ "$part" = all ] || [ "$part" = serve ]; then
   TAIL=8 step serve 400 python3 bench/serve_concurrency.py --out "$out/serve" --concurrency 1,4,16 --max-tokens 128 -- $DEP --drafter none
