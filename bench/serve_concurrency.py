@@ -5,7 +5,9 @@ openai client, with every response checked.
         --dtype bf16 --drafter none
 
 Everything after ``--`` goes to ``specpilot serve`` (the real command, started as a subprocess on
-loopback, with ``--audit-rate 1``: the server token-forces every response it sends). Per
+loopback, with ``--audit-rate 1``: the server token-forces every response it sends, in the
+background between scheduler steps; each round waits until the audits of the previous ones are
+done, so that no audit runs inside a timed round). Per
 concurrency c: one untimed round of c requests (graph capture and allocator growth stay out),
 then a timed round of c requests sent at once, each a different prompt (token ids, so nothing
 depends on tokenization) asking for ``--max-tokens`` tokens; aggregate tok/s = completion tokens
@@ -27,6 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+AUDITED = "specpilot_audit_sequences"
+"""The server's count of responses it has token-forced in the background."""
 
 
 def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -113,14 +118,25 @@ def main() -> None:
         tok = load_tokenizer(resolve_model(ns.target))
         sets = load_prompt_set(args.prompts)
         prompts = [tok.apply_chat_template(p.messages) for p in sets]
+        sent = 0
+
+        def drained() -> None:  # the server audits in the background: never while timing
+            t_wait = time.perf_counter()
+            while _metric(url, AUDITED) < sent and time.perf_counter() - t_wait < 300:
+                time.sleep(0.5)
+
         for c in levels:
             batch = [prompts[i % len(prompts)] for i in range(c)]
             _round(client, model, batch, args.max_tokens)  # warm-up
+            sent += c
+            drained()
             r = _round(client, model, batch, args.max_tokens)
+            sent += c
+            drained()
             results["levels"][str(c)] = r
             print(f"[serve] concurrency {c}: {r['tok_s']:.1f} tok/s aggregate", flush=True)
         names = {
-            "audited": "specpilot_audit_sequences",
+            "audited": AUDITED,
             "match": "specpilot_audit_match_tokens",
             "near_tie": "specpilot_audit_near_tie_tokens",
             "mismatch": "specpilot_audit_mismatch_tokens",

@@ -180,8 +180,9 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
     if tuned_build.simulated:
         print(f"  ({SIM_LABEL}: {tuned_cfg.deployment.simulate_acceptance})")
     for name in engines:
+        tau = records_of(m.last(name), "spec", meta)[1].mean_accepted_len
         print(
-            f"  {name:<6} {m.tok_s(name):8.1f} tok/s  {ratios[name].text():>18} AR   "
+            f"  {name:<6} {m.tok_s(name):8.1f} tok/s  {ratios[name].text():>18} AR  τ {tau:4.2f}  "
             f"{reports[name].summary()}"
         )
     print(f"  tuned over stock speculative: {tuned_vs_stock.text()} — {_say(tuned_vs_stock)}")

@@ -42,6 +42,9 @@ class Executor(Protocol):
 class LocalExecutor:
     """Evaluates in this process; a chunk of ``width`` candidates shares its AR rounds."""
 
+    shares_rounds = True
+    """A chunk's candidates are measured in the same interleaved rounds (head to head)."""
+
     def __init__(
         self,
         base: EngineConfig,

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpilot.bench.protocol import Ratio
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
 from specpilot.tune.evaluate import TrialResult
@@ -80,6 +81,8 @@ class TuneOutcome:
     wall_seconds: float = 0.0
     device_seconds: float = 0.0
     rounds_run: int = 0
+    unexplored: list[str] = field(default_factory=list)
+    """Directions the budget ran out before (never measured), for the log and the report."""
 
 
 def rank_directions(directions: Sequence[Direction], gap_order: Sequence[str]) -> list[Direction]:
@@ -226,7 +229,9 @@ class TuneLoop:
             outcome.trials.append(Trial(0, "memory", r, reused_from=label, elapsed=self.elapsed()))
             outcome.reused.append(f"{label}: {describe(cfg)} → {r.spread_text()} here")
             if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
-                outcome.best = r
+                confirmed = self._confirm(0, outcome, r)
+                if confirmed is not None:
+                    outcome.best = confirmed
 
         stale: dict[
             str, int
@@ -300,7 +305,10 @@ class TuneLoop:
                     outcome.trials.append(Trial(round_, "integrate", r, elapsed=self.elapsed()))
                     if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
-            outcome.best = new_best
+            confirmed = self._confirm(round_, outcome, new_best)
+            if confirmed is None:
+                continue
+            outcome.best = new_best = confirmed
             h = config_hash(new_best.config)
             self.store.validate(
                 self.deployment, h, _cfg(new_best.config), new_best.speedup, self.done[h].id
@@ -314,10 +322,50 @@ class TuneLoop:
                 stock.speedup,
                 self.done[config_hash(stock.config)].id,
             )
+        tried = {t.explorer for t in outcome.trials}
+        outcome.unexplored = [d.name for d in self.directions if d.name not in tried]
+        if outcome.unexplored:
+            self.log(
+                f"not measured (the time budget ran out first): {', '.join(outcome.unexplored)}"
+            )
         self.store.finish_run(self.run_id)
         outcome.wall_seconds = self.elapsed()
         outcome.device_seconds = sum(t.result.device_seconds for t in outcome.trials)
         return outcome
+
+    def _confirm(self, round_: int, outcome: TuneOutcome, cand: TrialResult) -> TrialResult | None:
+        """A winner measured head to head with the best: both in one chunk (the same AR rounds,
+        interleaved), the candidate's per-round ratio over the best must lie above 1 by more
+        than the noise (and ``min_gain``). Ratios over AR measured at different times can
+        differ by a few percent without either engine changing; this rules that out. Returns
+        the candidate as measured here, or None. (Executors that do not share rounds across a
+        chunk, e.g. Ray's actors, keep the interval rule alone.)"""
+        if not getattr(self.executor, "shares_rounds", False):
+            return cand
+        if not self._time_left():
+            self.log(f"  [confirm] no time left to confirm {describe(cand.config)}: not taken")
+            return None
+        best = outcome.best
+        got = self.executor.map([best.config, cand.config])
+        b, c = got[0], got[1]
+        for r in (b, c):
+            outcome.trials.append(Trial(round_, "confirm", r, elapsed=self.elapsed()))
+            self.slowest_trial = max(self.slowest_trial, r.wall_seconds)
+        pair = Ratio([x / y for x, y in zip(c.rounds, b.rounds, strict=True) if y > 0])
+        ok = (
+            b.eligible
+            and c.eligible
+            and pair.beats(Ratio([1.0] * len(pair.values)), self.settings.min_gain)
+        )
+        self.log(
+            f"  [{_clock(self.elapsed())}] [confirm] {describe(cand.config)} over the best "
+            f"{describe(best.config)}, head to head: {pair.text()} → "
+            + ("a winner" if ok else "not a winner (within the noise)")
+        )
+        if not ok:
+            return None
+        c.config = cand.config
+        return c
 
 
 def _cfg(c: EngineConfig) -> dict[str, Any]:

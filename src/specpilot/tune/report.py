@@ -40,19 +40,26 @@ def verdict_lines(outcome: TuneOutcome) -> list[str]:
     if best is stock:
         lines = [
             f"No candidate beat the stock engine by more than the noise: stock "
-            f"{stock.spread_text()} over AR; a winner must beat it by more than both spreads."
+            f"{stock.spread_text()} over AR; a winner must beat it by more than both spreads, "
+            "then again head to head."
         ]
-        if stock.tau < 1.05:
-            lines.append(
-                f"The drafter's mean accepted length is τ = {stock.tau:.2f}: its drafts are "
-                "(almost) never accepted, so no speculative engine can beat AR here (random "
-                "weights accept nothing; time such a deployment with --simulate-acceptance)."
-            )
-        return lines
-    return [
-        f"Tuned {best.spread_text()} over AR against stock {stock.spread_text()}: the whole "
-        "spread of the tuned engine lies above the stock engine's."
-    ]
+    else:
+        lines = [
+            f"Tuned {best.spread_text()} over AR against stock {stock.spread_text()}, and faster "
+            "than the stock engine head to head in every round."
+        ]
+    if best.ratio.verdict() != "faster":
+        lines.append(
+            f"No speculative engine beat plain AR by more than the noise here (best "
+            f"{best.spread_text()}): serve this deployment without a drafter (--drafter none)."
+        )
+    if best.tau < 1.05:
+        lines.append(
+            f"The drafter's mean accepted length is τ = {best.tau:.2f}: its drafts are (almost) "
+            "never accepted, so no speculative engine can beat AR here (random weights accept "
+            "nothing; time such a deployment with --simulate-acceptance)."
+        )
+    return lines
 
 
 def write_report(
@@ -102,8 +109,14 @@ def write_report(
             else "never (no gain)."
         ),
     ]
-    if notes:
-        lines += ["", "## Scope", *[f"- {n}" for n in notes]]
+    scope = list(notes)
+    if outcome.unexplored:
+        scope.append(
+            "not measured, the time budget ran out first (raise --budget): "
+            + ", ".join(outcome.unexplored)
+        )
+    if scope:
+        lines += ["", "## Scope", *[f"- {n}" for n in scope]]
     if outcome.reused:
         lines += ["", "## Reused from memory", *[f"- {r}" for r in outcome.reused]]
     lines += [
