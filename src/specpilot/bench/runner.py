@@ -70,7 +70,7 @@ def run_prompts(
                 on_prompt()
         return sum(len(r.result.tokens) for r in out), out
 
-    return timed(engine.target.device, run)  # timed_generate already takes the oracle out
+    return timed(engine.target.device, run, lambda: engine.times.excluded)
 
 
 def warm_up(
