@@ -537,7 +537,7 @@ def test_trial_bound_formula_and_engine(make_tiny):
     real = spec.time_forward
     spec.time_forward = lambda w, iters=20: timed.append(w) or real(w, 2)  # type: ignore[method-assign]
     b = engine_speedup_bound(spec, 2.7, 4e-3, draft_s=1e-4)
-    assert timed == [2] and b.width == 2  # floor(tau): a floor for any mix of widths
+    assert timed == [1] and b.width == 1  # one token: a floor for any mix of widths
     assert b.bound == pytest.approx(2.7 * 4e-3 / (1e-4 + b.verify_s)) and b.verify_s > 0
     assert engine_speedup_bound(spec, 5.0, 4e-3, width=5).width == 5
     with pytest.raises(ValueError, match="width must lie"):
