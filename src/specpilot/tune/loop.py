@@ -322,8 +322,8 @@ class TuneLoop:
                 stock.speedup,
                 self.done[config_hash(stock.config)].id,
             )
-        tried = {t.explorer for t in outcome.trials}
-        outcome.unexplored = [d.name for d in self.directions if d.name not in tried]
+        measured = {t.explorer for t in outcome.trials}
+        outcome.unexplored = [d.name for d in self.directions if d.name not in measured]
         if outcome.unexplored:
             self.log(
                 f"not measured (the time budget ran out first): {', '.join(outcome.unexplored)}"
