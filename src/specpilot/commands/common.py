@@ -95,6 +95,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
         "block - 1); verification stays real and every figure says 'simulated acceptance'",
     )
     g.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_false",
+        default=True,
+        help="draft on every cycle (default: a request stops drafting while its drafts do not "
+        "pay, and probes again later; lossless either way)",
+    )
+    g.add_argument(
         "--no-graphs",
         dest="graphs",
         action="store_false",
@@ -149,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if sim is not None:  # the flag wins over the file's profile
             dep = dataclasses.replace(config.deployment, simulate_acceptance=sim)
             config = dataclasses.replace(config, deployment=dep, k=_sim_k(sim, config.k))
+        if not getattr(args, "gate", True):
+            config = dataclasses.replace(config, gate={**(config.gate or {}), "enabled": False})
         return config
     k = args.k if args.k is not None else DEFAULT_K.get(args.drafter, 8)
     if sim is not None:
@@ -163,7 +173,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         mode=getattr(args, "mode", None) or "single",
         simulate_acceptance=sim,
     )
-    return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
+    gate = None if getattr(args, "gate", True) else {"enabled": False}
+    return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs, gate=gate)
 
 
 DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15}

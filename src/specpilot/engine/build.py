@@ -18,6 +18,7 @@ from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, Simulated
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.engine import Engine
+from specpilot.engine.gate import SpecGate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
 from specpilot.engine.scheduler import Scheduler
 from specpilot.engine.tree_policy import TreePolicy
@@ -74,8 +75,15 @@ class EngineBuild:
 
     def engine(self, **options: Any) -> Engine:
         """The engine with this build's drafter and mechanisms (``options``: Engine keywords)."""
+        settings = self.config.gate_settings()
+        gate = SpecGate(settings) if settings.enabled and self.drafter is not None else None
         return Engine(
-            self.target.model, self.drafter, plan=self.plan(), graphs=self.graphs, **options
+            self.target.model,
+            self.drafter,
+            plan=self.plan(),
+            graphs=self.graphs,
+            gate=options.pop("gate", gate),
+            **options,
         )
 
     def stock_engine(self, **options: Any) -> Engine:
