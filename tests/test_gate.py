@@ -151,3 +151,23 @@ def test_the_build_gates_the_stock_engine_by_default(model_dir: Path) -> None:  
     off = EngineConfig(dep, k=4, gate={"enabled": False})
     assert build_engine(off, target=on.target).engine().gate is None
     assert on.stock_engine().gate is None
+
+
+def test_the_tuner_searches_the_gate_where_it_can_pause_the_drafter() -> None:
+    from specpilot.tune.space import describe, directions_for
+
+    def names(drafter: str, sim: str | None = None) -> dict[str, object]:
+        dep = DeploymentSpec(target="x", drafter=drafter, simulate_acceptance=sim)
+        k = 15 if drafter == "block" else 4
+        return {d.name: d for d in directions_for(EngineConfig(dep, k=k), "cpu", "llama", 4)}
+
+    ngram = names("ngram")
+    assert "spec-gate" in ngram and "spec-gate" in names("draft-model")
+    assert "spec-gate" not in names("block")
+    assert "spec-gate" not in names("ngram", "tau=3,block=5")
+    d = ngram["spec-gate"]
+    base = EngineConfig(DeploymentSpec(target="x"), k=4)
+    off = d.derive(base, {"enabled": False, "margin": 0.1, "off_tokens": 8})  # type: ignore[attr-defined]
+    assert not off.gate_settings().enabled and "gate=off" in describe(off)
+    on = d.derive(base, {"enabled": True, "margin": 0.1, "off_tokens": 32})  # type: ignore[attr-defined]
+    assert on.gate_settings().off_tokens == 32 and on.gate_settings().enabled

@@ -59,6 +59,18 @@ def _with_segment(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     return dataclasses.replace(base, segment_tokens=None if seg == DEFAULT_SEGMENT_TOKENS else seg)
 
 
+def _with_gate(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    """The speculation gate's knobs (``engine/gate.py``); ``enabled`` off drafts every cycle."""
+    if not p["enabled"]:
+        return dataclasses.replace(base, gate={"enabled": False})
+    gate = {"margin": float(p["margin"]), "off_tokens": int(p["off_tokens"])}
+    return dataclasses.replace(base, gate=gate)
+
+
+GATED_DRAFTERS = ("ngram", "draft-model")
+"""Drafters the gate can pause (they catch up when drafting resumes)."""
+
+
 def skipped_mechanisms(base: EngineConfig, device: str, arch: str) -> list[str]:
     """Every registered mechanism this tune does not search, each with the reason (it does not
     apply to this deployment's device, dtype, drafter, mode or architecture)."""
@@ -150,6 +162,20 @@ def directions_for(
                 _with_early_exit,
             )
         )
+    if dep.drafter in GATED_DRAFTERS and not simulated:
+        g = base.gate_settings()
+        out.append(
+            Direction(
+                "spec-gate",
+                ("draft", "verify"),
+                (
+                    Knob("enabled", g.enabled, choices=(True, False)),
+                    Knob("margin", g.margin, low=0.0, high=0.3),
+                    Knob("off_tokens", g.off_tokens, choices=tuple(sorted({8, 16, 32, 64}))),
+                ),
+                _with_gate,
+            )
+        )
     if dep.mode == "batched" and dep.drafter != "none":
         seg = base.segment_tokens or DEFAULT_SEGMENT_TOKENS
         out.append(
@@ -172,6 +198,11 @@ def describe(cfg: EngineConfig) -> str:
     parts += [f"{k}={v}" for k, v in sorted(cfg.drafter_knobs.items())]
     if cfg.segment_tokens is not None:
         parts.append(f"segment_tokens={cfg.segment_tokens}")
+    if cfg.gate is not None:
+        g = cfg.gate_settings()
+        parts.append(
+            "gate=off" if not g.enabled else f"gate(margin={g.margin:g},off={g.off_tokens})"
+        )
     parts += [
         f"+{n}" + (json.dumps(v, separators=(",", ":")) if v else "")
         for n, v in sorted(cfg.mechanisms.items())
