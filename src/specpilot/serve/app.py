@@ -60,7 +60,12 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
             return error(400, "The request body is not valid JSON.")
         return error(400, f"{where}: {msg}" if where else msg, param=where or None)
 
-    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.body_limit)
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.body_limit,
+        on_abandoned=worker.metrics.abandoned.inc,
+    )
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -45,12 +45,20 @@ def error(
 
 
 class RequestGuard:
-    """API key on ``/v1/*`` (when set), then at most ``max_body_bytes`` of body."""
+    """API key on ``/v1/*`` (when set), then at most ``max_body_bytes`` of body;
+    ``on_abandoned()`` when the client goes away before its body was read."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        on_abandoned: Callable[[], None] = lambda: None,
+    ) -> None:
         self.app = app
         self.wanted = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.on_abandoned = on_abandoned
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,12 +76,13 @@ class RequestGuard:
                 await reply(scope, receive, send)
                 return
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            length = headers.get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            length = headers.get(b"content-length", b"")  # a malformed one: the HTTP parser's 400
+            if length.isdigit() and int(length) > self.max_body_bytes:
                 await self._too_large(scope, receive, send)
                 return
             body = await self._read(receive)
-            if body is None:  # the client went away while sending
+            if body is None:  # the client went away before the server read its request
+                self.on_abandoned()
                 return
             if len(body) > self.max_body_bytes:
                 await self._too_large(scope, receive, send)

@@ -13,6 +13,16 @@ class ServerMetrics:
 
         self.registry = CollectorRegistry()
         r = self.registry
+        self.submitted = Counter(
+            "specpilot_submitted_requests",
+            "Generations handed to the engine (each ends completed, cancelled or failed)",
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "specpilot_abandoned_requests",
+            "Requests whose client went away before their body was read (never generated)",
+            registry=r,
+        )
         self.requests = Counter("specpilot_requests", "Completed generations", registry=r)
         self.cancelled = Counter(
             "specpilot_cancelled_requests", "Generations cancelled by the client", registry=r

@@ -151,6 +151,7 @@ class EngineWorker:
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
         self._jobs.put(job)
+        self.metrics.submitted.inc()
         self.metrics.queue_depth.set(self._jobs.qsize())
 
     def cancel(self, job: Job) -> None:
