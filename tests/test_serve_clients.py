@@ -95,11 +95,8 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read(server):
     assert r.status_code == 413 and err["code"] == 413 and err["type"] == "invalid_request_error"
     assert f"limit of {LIMIT} bytes" in err["message"] and "--max-body-bytes" in err["message"]
 
-    sent = []
-
     def chunks() -> Iterator[bytes]:
-        for i in range(0, 1 << 20, 1024):  # 1 MiB in 1 KiB chunks, unless the server stops us
-            sent.append(i)
+        for i in range(0, 1 << 20, 1024):  # 1 MiB in 1 KiB chunks, no Content-Length
             yield big[i % len(big) : i % len(big) + 1024].ljust(1024, b" ")
 
     r = httpx.post(url, content=chunks(), headers={"Content-Type": "application/json"})
@@ -135,3 +132,26 @@ def test_a_request_without_model_is_served_by_the_one_model(server, model_dir):
         assert r.status_code == 200 and r.json()["model"] == served, (body, r.text)
     r = httpx.post(url + "/completions", json={"prompt": "hello", "model": "gpt-9"})
     assert r.status_code == 404 and _error(r)["param"] == "model"
+
+
+def test_a_client_that_leaves_mid_body_is_counted_and_nothing_runs(server):
+    """Headers and half a body, then the connection closes: counted as abandoned, never handed
+    to the engine, and the server serves on."""
+    import socket
+
+    before = metric(server, "specpilot_abandoned_requests_total")
+    submitted = metric(server, "specpilot_submitted_requests_total")
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": "hel'
+        )
+        time.sleep(0.2)
+    deadline = time.time() + 10
+    while metric(server, "specpilot_abandoned_requests_total") == before:
+        assert time.time() < deadline, "the abandoned request was not counted"
+        time.sleep(0.02)
+    assert metric(server, "specpilot_abandoned_requests_total") == before + 1
+    assert metric(server, "specpilot_submitted_requests_total") == submitted
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200

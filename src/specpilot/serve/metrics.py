@@ -35,7 +35,9 @@ class ServerMetrics:
             registry=r,
         )
         self.failed = Counter(
-            "specpilot_failed_requests", "Generations ended by an engine error", registry=r
+            "specpilot_failed_requests",
+            "Generations ended by an error (a failed step, or shutdown before they ran)",
+            registry=r,
         )
         self.tokens = Counter("specpilot_generated_tokens", "Committed tokens served", registry=r)
         self.seconds = Counter(

@@ -171,6 +171,7 @@ class EngineWorker:
                 break
             if isinstance(item, Job):
                 item.send(("error", "the server is shutting down"))
+                self.metrics.failed.inc()
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -201,6 +202,7 @@ class EngineWorker:
                 for rid in sched.waiting_ids:
                     sched.cancel(rid)
                     self._live.pop(rid).job.send(("error", "the server is shutting down"))
+                    self.metrics.failed.inc()
             for rid, stream in list(self._live.items()):
                 if stream.job.cancelled.is_set():
                     sched.cancel(rid)
@@ -260,6 +262,7 @@ class EngineWorker:
                 sched.submit(request)
             except Exception as e:  # check_fits: the app checks first, so this is rare
                 item.send(("error", f"generation failed: {e}"))
+                self.metrics.failed.inc()
                 continue
             self._live[rid] = _Stream(item, request, IncrementalDetokenizer(self.tokenizer))
 
