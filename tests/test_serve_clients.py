@@ -155,3 +155,11 @@ def test_a_client_that_leaves_mid_body_is_counted_and_nothing_runs(server):
     assert metric(server, "specpilot_submitted_requests_total") == submitted
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4})
     assert ok.status_code == 200
+
+
+def test_a_bad_body_limit_is_one_sentence_before_loading(capsys):
+    from specpilot.cli import main
+    from test_cli import assert_one_line_error
+
+    code = main(["serve", "--max-body-bytes", "0", "--target", "/nonexistent"])
+    assert_one_line_error(code, capsys.readouterr().err, "--max-body-bytes", "at least 1")
