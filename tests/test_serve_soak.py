@@ -10,7 +10,8 @@ tokens), so it fits two cores. Pass means:
 - every completed response equals its offline run: the same engine from the same composition
   root (``EngineBuild.engine``), text, finish reason and token count;
 - every hang-up is cancelled within one engine step (``specpilot_cancel_delay_steps``); the few
-  the server had finished before it saw the hang-up are at most 5% of them;
+  the server had finished before it saw the hang-up are at most 10% of them
+  (2-3% in runs on 2 shared cores; without the fix for plain requests about half);
 - no request lost or duplicated: every request sent was handed to the engine, or its client left
   before the server read it (or before it was sent: a connect timeout); every one handed to the
   engine ended completed or cancelled; every response id is distinct;
@@ -286,7 +287,7 @@ def test_soak_32_clients_with_hangups(tmp_path: Path):
     assert ended == submitted and m["specpilot_failed_requests_total"] == 0, summary
     assert len({r.id for r in done}) == len(done)
     # every hang-up cancelled within one step; the rest had finished already (a few at most)
-    assert 0 <= raced <= max(3, 0.05 * len(gone)), summary
+    assert 0 <= raced <= max(3, 0.1 * len(gone)), summary
     cancelled = m["specpilot_cancelled_requests_total"]
     assert cancelled == len(gone) - len(unsent) - abandoned - raced, summary
     count = m["specpilot_cancel_delay_steps_count"]
