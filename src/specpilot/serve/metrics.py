@@ -47,6 +47,20 @@ class ServerMetrics:
         self.committed = Counter(
             "specpilot_committed_tokens", "Tokens committed by verify forwards", registry=r
         )
+        self.step_seconds = Counter(
+            "specpilot_engine_step_seconds", "Engine thread time inside scheduler steps", registry=r
+        )
+        self.host_seconds = Counter(
+            "specpilot_engine_host_seconds",
+            "Engine thread time between steps while it has work (admission, streaming, audits)",
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "specpilot_step_rows",
+            "Requests decoding in a scheduler step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "specpilot_queue_depth", "Requests waiting for the engine", registry=r
         )

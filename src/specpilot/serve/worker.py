@@ -194,10 +194,17 @@ class EngineWorker:
             torch.cuda.set_device(device)
         sched = self.scheduler
         stopping = False
+        busy_since: float | None = None  # engine-thread clock while it has work
         while True:
             if stopping and not sched.has_work:
                 return
-            stopping = self._take_jobs(sched, block=not (sched.has_work or stopping)) or stopping
+            block = not (sched.has_work or stopping)
+            if block and busy_since is not None:
+                self.metrics.host_seconds.inc(time.perf_counter() - busy_since)
+                busy_since = None
+            stopping = self._take_jobs(sched, block=block) or stopping
+            if busy_since is None:
+                busy_since = time.perf_counter()
             if stopping:  # shutdown: queued requests are cancelled, running ones finish
                 for rid in sched.waiting_ids:
                     sched.cancel(rid)
@@ -211,11 +218,17 @@ class EngineWorker:
             self.metrics.queue_depth.set(self._jobs.qsize() + sched.waiting)
             if not sched.has_work:
                 continue
+            t0 = time.perf_counter()
+            self.metrics.step_rows.observe(sched.running)
             try:
                 report = sched.step()
             except Exception as e:  # the running requests fail; the worker lives on
                 sched = self._recover(sched, f"generation failed: {e}")
                 continue
+            t1 = time.perf_counter()
+            self.metrics.step_seconds.inc(t1 - t0)
+            self.metrics.host_seconds.inc(t0 - busy_since)
+            busy_since = t1
             self.steps += 1
             for rid, tokens in report.committed:
                 live = self._live.get(rid)  # gone if a stop string ended it earlier this step
