@@ -36,8 +36,8 @@ def make_drafter(name: str, **knobs: Any) -> Drafter:
 
 
 __all__ = [
-    "DRAFTERS",
     "CHECKPOINT_DRAFTERS",
+    "DRAFTERS",
     "BlockDrafter",
     "DFlashDrafter",
     "DraftModelDrafter",

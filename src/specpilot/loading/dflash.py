@@ -33,7 +33,7 @@ from torch import Tensor
 from specpilot.config import ModelConfig
 from specpilot.errors import CheckpointError, IncompatibleDrafterError
 from specpilot.models.dflash import KINDS, DFlashNet, DFlashSpec, default_target_layers
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.transformer import Transformer
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 WEIGHTS_NAME = "model.safetensors"
@@ -56,7 +56,9 @@ def _layer_types(cfg: dict[str, Any], n: int) -> tuple[tuple[bool, ...], tuple[i
     if not types:
         slide = bool(cfg.get("use_sliding_window")) and window is not None
         first = int(cfg.get("max_window_layers", 28))
-        types = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(n)]
+        types = [
+            "sliding_attention" if slide and i >= first else "full_attention" for i in range(n)
+        ]
     if len(types) != n or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise ValueError(f"layer_types must list {n} of full_attention / sliding_attention")
     forced = cfg.get("is_causal")
@@ -251,7 +253,9 @@ def read_dflash_dir(path: str | Path) -> tuple[DFlashSpec, dict[str, Tensor]]:
     for name, shape in want.items():
         t = tensors.get(name)
         if t is None:
-            raise CheckpointError(f"{root} has no tensor {name}, which its {spec.kind} config needs.")
+            raise CheckpointError(
+                f"{root} has no tensor {name}, which its {spec.kind} config needs."
+            )
         if tuple(t.shape) != shape:
             raise CheckpointError(
                 f"{root}: tensor {name} has shape {list(t.shape)}, but the config implies "
@@ -269,7 +273,9 @@ def check_compatible(spec: DFlashSpec, target: ModelConfig, where: str) -> None:
                                         "trained for this target.")  # fmt: skip
 
     if spec.vocab_size not in (1, target.vocab_size):
-        raise no(f"has a vocabulary of {spec.vocab_size} tokens, the target one of {target.vocab_size}")
+        raise no(
+            f"has a vocabulary of {spec.vocab_size} tokens, the target one of {target.vocab_size}"
+        )
     if spec.hidden_size != target.hidden_size:
         raise no(f"has hidden size {spec.hidden_size}, the target {target.hidden_size}")
     bad = [i for i in spec.target_layer_ids if not 0 <= i < n]
@@ -322,7 +328,11 @@ def _pairs(net: DFlashNet) -> list[tuple[str, Tensor, list[str]]]:
             (p + "post", layer.post_attn_norm, [p + "post_attention_layernorm.weight"]),
             (a + "qkv", layer.w_qkv, [a + f"{x}_proj.weight" for x in "qkv"]),
             (a + "o", layer.w_o, [a + "o_proj.weight"]),
-            (p + "gate_up", layer.w_gate_up, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+            (
+                p + "gate_up",
+                layer.w_gate_up,
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            ),
             (p + "down", layer.w_down, [p + "mlp.down_proj.weight"]),
         ]
         assert layer.q_norm is not None and layer.k_norm is not None

@@ -91,9 +91,13 @@ class DFlashSpec:
             raise ValueError(f"block_size must be at least 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty")
-        if self.kind == "dflash2" and min(
-            self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k
-        ) < 1:
+        if (
+            self.kind == "dflash2"
+            and min(
+                self.conv_kernel_size, self.conv_group_size, self.selector_rank, self.selector_top_k
+            )
+            < 1
+        ):
             raise ValueError("a DFlash2 drafter needs conv_kernel_size, conv_group_size, "
                              "selector_rank and selector_top_k")  # fmt: skip
 
@@ -111,7 +115,10 @@ class DFlashSpec:
         h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
         per = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c.head_dim
         if self.conv_kernel_size:
-            per += 2 * (2 * self.conv_kernel_size * h + 2 * self.conv_kernel_size * h * h // self.conv_group_size)
+            per += 2 * (
+                2 * self.conv_kernel_size * h
+                + 2 * self.conv_kernel_size * h * h // self.conv_group_size
+            )
         sel = (2 * c.vocab_size + h) * self.selector_rank
         return c.num_layers * per + len(self.target_layer_ids) * h * h + 2 * h + sel
 
@@ -327,7 +334,9 @@ def spec_for_target(
 
 
 def uses_window(spec: DFlashSpec) -> bool:
-    return any(c or w is not None for c, w in zip(spec.layer_causal, spec.layer_window, strict=True))
+    return any(
+        c or w is not None for c, w in zip(spec.layer_causal, spec.layer_window, strict=True)
+    )
 
 
 def positions_of(start: Tensor, t: int) -> Tensor:  # start [B] -> [B, T] positions start + j

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -67,19 +67,23 @@ class Network(Protocol):
     def rope_sin(self) -> Tensor: ...
 
 
-class Forward:
-    """The layer body and the whole passes over a :class:`Transformer`'s weights."""
+NetT = TypeVar("NetT", bound=Network)
+
+
+class Forward(Generic[NetT]):
+    """The layer body and the whole passes over a :class:`Transformer`'s weights (or another
+    :class:`Network`'s: a DFlash drafter's)."""
 
     def __init__(
         self,
-        model: Network,
+        model: NetT,
         use_triton: bool | None = None,
         fuse_residual: bool | None = None,
         layers: Sequence[DecoderLayer] | None = None,
     ) -> None:
         """``layers``: the decoder layers to run (default: the model's; a block drafter passes
         its own, with the target's embedding, final norm and LM head)."""
-        self.model = model
+        self.model: NetT = model
         self.cfg = model.cfg
         self.layers: list[DecoderLayer] = list(layers if layers is not None else model.layers)  # type: ignore[arg-type]
         self.use_triton = triton_usable(model.device) if use_triton is None else use_triton
