@@ -326,3 +326,33 @@ def test_refuses_other_targets_and_bad_dirs(tmp_path: Path) -> None:
     save_file({n: v for n, v in t.items() if n != "norm.weight"}, str(short / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"no tensor norm\.weight"):
         DFlashDrafter.load(target, short)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_writer_round_trips_in_shards(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What train-drafter writes (here in several shards) loads back to the same weights, and
+    its config reads like a published one."""
+    import specpilot.loading.dflash_save as save_mod
+    from specpilot.loading.dflash import load_dflash
+    from specpilot.models.dflash import DFlashNet, spec_for_target
+
+    target = tiny_model(tiny_config(layers=3, vocab=89), 0)
+    spec = spec_for_target(target.cfg, 2, 5, 7, 48, (0, 2), kind, **(DFLASH2 if kind == "dflash2" else {}))  # fmt: skip
+    net = DFlashNet(spec, target)
+    net.init_random(4)
+    monkeypatch.setattr(save_mod, "SHARD_BYTES", 20_000)
+    root = save_mod.save_dflash(net, tmp_path / "out", torch.float32)
+    assert (
+        len(list(root.glob("model-*.safetensors"))) > 1
+        and (root / "model.safetensors.index.json").is_file()
+    )
+    cfg = json.loads((root / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["num_target_layers"] == 3
+    back = load_dflash(root, target, kind)
+    for (name, a), b in zip(net.named_parameters(), back.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    monkeypatch.setattr(save_mod, "SHARD_BYTES", 10**9)  # re-saved in one file: the shards go
+    save_mod.save_dflash(net, root, torch.float32)
+    assert sorted(p.name for p in root.iterdir()) == ["config.json", "model.safetensors"]

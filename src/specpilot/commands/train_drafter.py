@@ -40,11 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d = p.add_argument_group("data and evaluation")
     d.add_argument("--max-prompt", type=int, default=384, help="longest prompt in tokens (default: %(default)s)")  # fmt: skip
     d.add_argument("--max-new", type=int, default=320, help="longest regenerated response (default: %(default)s)")  # fmt: skip
-    d.add_argument("--gen-batch", type=int, default=128, help="rows generating responses at once (default: %(default)s)")  # fmt: skip
+    d.add_argument("--gen-batch", type=int, default=256, help="rows generating responses at once (default: %(default)s)")  # fmt: skip
     d.add_argument("--train-prompts", type=int, default=None, help="at most this many training prompts (default: as time allows)")  # fmt: skip
     d.add_argument("--eval-sets", default="sharegpt,mt-bench,humaneval", help="held-out sets for τ (default: %(default)s)")  # fmt: skip
     d.add_argument("--eval-prompts", type=int, default=8, help="prompts per set in the periodic τ (default: %(default)s)")  # fmt: skip
     d.add_argument("--final-eval-prompts", type=int, default=32, help="prompts per set in the final τ (default: %(default)s)")  # fmt: skip
+    d.add_argument("--eval-new", type=int, default=128, help="tokens generated per held-out prompt for τ (default: %(default)s)")  # fmt: skip
     d.add_argument("--eval-every", type=float, default=150.0, help="seconds between periodic τ (default: %(default)s)")  # fmt: skip
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-graphs", dest="graphs", action="store_false", default=None, help="evaluate eagerly on CUDA")  # fmt: skip
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         lr=args.lr, max_prompt=args.max_prompt, max_new=args.max_new, gen_batch=args.gen_batch,
         train_prompts=args.train_prompts, eval_sets=tuple(args.eval_sets.split(",")),
         eval_prompts=args.eval_prompts, final_eval_prompts=args.final_eval_prompts,
-        eval_every_s=args.eval_every, mask_token_id=args.mask_token_id, seed=args.seed,
+        eval_new=args.eval_new, eval_every_s=args.eval_every, mask_token_id=args.mask_token_id, seed=args.seed,
         graphs=args.graphs,
     )  # fmt: skip
     report = train(smoke(settings) if args.smoke else settings)

@@ -21,9 +21,6 @@ without ``.weight``.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +34,7 @@ from specpilot.models.transformer import Transformer
 
 ARCHITECTURES = {"DFlashDraftModel": "dflash", "DFlash2DraftModel": "dflash2"}
 WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 
 
 def _draft_value(cfg: dict[str, Any], name: str, default: Any = None) -> Any:
@@ -138,58 +136,6 @@ def block_size_of(path: Path) -> int:
             f"{path} has no config.json; --draft-model must name a DFlash checkpoint directory."
         )
     return int(_draft_value(_read_json(where), "block_size", 16))
-
-
-def config_from_spec(spec: DFlashSpec) -> dict[str, Any]:
-    """The config.json of ``spec`` in z-lab's format (what ``spec_from_config`` reads back)."""
-    c = spec.layers
-    arch = {v: k for k, v in ARCHITECTURES.items()}[spec.kind]
-    inner: dict[str, Any] = {
-        "block_size": spec.block_size,
-        "mask_token_id": spec.mask_token_id,
-        "target_layer_ids": list(spec.target_layer_ids),
-    }
-    for key, value, default in (
-        ("output_multiplier", spec.output_multiplier, 1.0),
-        ("final_logit_softcapping", spec.logit_softcap, None),
-        ("input_embedding_scale", spec.input_embedding_scale, 1.0),
-        ("conv_kernel_size", spec.conv_kernel_size, 0),
-        ("conv_group_size", spec.conv_group_size, 0),
-        ("selector_rank", spec.selector_rank, 0),
-        ("selector_top_k", spec.selector_top_k, 0),
-    ):
-        if value != default:
-            inner[key] = value
-    windows = [w for w in spec.layer_window if w is not None]
-    return {
-        "architectures": [arch],
-        "auto_map": {"AutoModel": f"dflash.{arch}"},
-        "model_type": "qwen3",
-        "attention_bias": c.attention_bias,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "tie_word_embeddings": False,
-        "layer_types": [
-            "full_attention" if w is None and not cz else "sliding_attention"
-            for cz, w in zip(spec.layer_causal, spec.layer_window, strict=True)
-        ],
-        "sliding_window": windows[0] if windows else None,
-        "use_sliding_window": bool(windows),
-        "num_target_layers": spec.num_target_layers,
-        "block_size": spec.block_size,
-        "dflash_config": inner,
-        "torch_dtype": "bfloat16",
-    }
 
 
 def expected_shapes(spec: DFlashSpec) -> dict[str, tuple[int, ...]]:
@@ -362,46 +308,10 @@ def load_tensors(net: DFlashNet, tensors: dict[str, Tensor]) -> None:
             dst.copy_(torch.cat([tensors[n] for n in names], dim=0))
 
 
-def dflash_tensors(net: DFlashNet, dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
-    """Every weight under its published name (fused matrices split back out), on the CPU."""
-    out: dict[str, Tensor] = {}
-    for _, src, names in _pairs(net):
-        sizes = [int(s[0]) for s in (expected_shapes(net.spec)[n] for n in names)]
-        for name, part in zip(names, src.detach().split(sizes, dim=0), strict=True):
-            out[name] = part.to("cpu", dtype).contiguous()
-    return out
-
-
-def save_dflash(net: DFlashNet, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write ``net`` as a loadable checkpoint (config.json + model.safetensors), each file
-    written beside its final name and renamed into place."""
-    from safetensors.torch import save_file
-
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = config_from_spec(net.spec) | {"torch_dtype": str(dtype).removeprefix("torch.")}
-    for name, write in (
-        (WEIGHTS_NAME, lambda p: save_file(dflash_tensors(net, dtype), p, {"format": "pt"})),
-        ("config.json", lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n")),
-    ):
-        fd, part = tempfile.mkstemp(prefix=name + ".", suffix=".part", dir=root)
-        os.close(fd)
-        try:
-            write(part)
-            os.chmod(part, 0o644)
-            os.replace(part, root / name)
-        finally:
-            if os.path.exists(part):
-                os.unlink(part)
-    return root
-
-
 __all__ = [
     "KINDS",
     "check_compatible",
-    "config_from_spec",
     "load_dflash",
     "read_dflash_dir",
-    "save_dflash",
     "spec_from_config",
 ]

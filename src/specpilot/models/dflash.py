@@ -198,13 +198,13 @@ class DFlashNet(nn.Module):
     def decoder_layers(self) -> list[DecoderLayer]:
         return [lyr for lyr in self.layers if isinstance(lyr, DecoderLayer)]
 
-    def init_random(self, seed: int, std: float = 0.02) -> None:
-        """Seeded weights: N(0, std) matrices, N(1, 0.1) norms, identity convs."""
+    def init_random(self, seed: int, std: float = 0.02, norm_std: float = 0.1) -> None:
+        """Seeded weights: N(0, std) matrices, N(1, norm_std) norms, identity convs."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, prm in self.named_parameters():
                 if prm.dim() == 1 and "norm" in name:
-                    vals = 1.0 + 0.1 * torch.randn(prm.shape, generator=gen)
+                    vals = 1.0 + norm_std * torch.randn(prm.shape, generator=gen)
                 else:
                     vals = std * torch.randn(prm.shape, generator=gen)
                 prm.copy_(vals)

@@ -53,36 +53,62 @@ def read_sharegpt(source: str | Path | None = None) -> list[dict]:
                 raw = zf.read(SHAREGPT.member)
         else:
             raw = path.read_bytes()
-        data = json.loads(raw)
-    except (OSError, KeyError, zipfile.BadZipFile, json.JSONDecodeError) as e:
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
         raise FetchError(f"ShareGPT could not be read from {path} ({e}).") from None
-    if not isinstance(data, list):
-        raise FetchError(f"{path} does not hold a list of conversations.")
+    data = complete_items(raw.decode("utf-8", "replace"))
+    if not data:
+        raise FetchError(f"{path} does not hold a JSON list of conversations.")
     return data
 
 
-def first_human_turns(conversations: Sequence[dict], max_chars: int = 4000) -> list[str]:
-    """The first human turn of each conversation, in file order; empty or huge ones skipped."""
-    out = []
-    for conv in conversations:
-        turns = conv.get("conversations") or []
-        text = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-        if text.strip() and len(text) <= max_chars:
-            out.append(text.strip())
-    return out
+def complete_items(text: str) -> list[dict]:
+    """The complete objects of a JSON list, up to the first incomplete one: the wheel's copy of
+    ShareGPT V3 is cut off inside its last conversation (125.5 MB of the original file)."""
+    dec = json.JSONDecoder()
+    i = text.find("[") + 1
+    out: list[dict] = []
+    if i == 0:
+        return out
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return out
+        try:
+            item, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return out
+        if isinstance(item, dict):
+            out.append(item)
+
+
+def human_turns(conv: dict, max_chars: int = 4000) -> list[str]:
+    """A conversation's human turns, in order; empty or huge ones left out."""
+    turns = conv.get("conversations") or []
+    texts = [str(t.get("value", "")).strip() for t in turns if t.get("from") == "human"]
+    return [t for t in texts if t and len(t) <= max_chars]
 
 
 @dataclass(frozen=True, slots=True)
 class PromptSplit:
     train: list[str]
+    """Every human turn of the other conversations, standalone: all first turns, then all
+    second turns, and so on (so that a time-bounded generation covers the first turns first)."""
     held_out: list[str]
-    """The last ``HELD_OUT`` prompts, fixed: never trained on."""
+    """The first human turn of the last ``held_out`` conversations: never trained on."""
 
 
-def split_prompts(prompts: Sequence[str], held_out: int = HELD_OUT) -> PromptSplit:
-    if len(prompts) <= held_out:
-        raise SpecPilotError(f"Only {len(prompts)} prompts; need more than {held_out}.")
-    return PromptSplit(list(prompts[:-held_out]), list(prompts[-held_out:]))
+def split_prompts(conversations: Sequence[dict], held_out: int = HELD_OUT) -> PromptSplit:
+    turns = [t for t in (human_turns(c) for c in conversations) if t]
+    if len(turns) <= held_out:
+        raise SpecPilotError(
+            f"Only {len(turns)} conversations with prompts; need more than {held_out}."
+        )
+    kept, test = turns[:-held_out], turns[-held_out:]
+    depth = max(len(t) for t in kept)
+    train = [t[d] for d in range(depth) for t in kept if d < len(t)]
+    return PromptSplit(train, [t[0] for t in test])
 
 
 @dataclass(slots=True)

@@ -71,7 +71,7 @@ class TrainSettings:
     warmup: int = 100
     max_prompt: int = 384
     max_new: int = 320
-    gen_batch: int = 128
+    gen_batch: int = 256
     train_prompts: int | None = None
     """Generate responses for at most this many training prompts (None: as time allows)."""
     eval_sets: tuple[str, ...] = ("sharegpt", "mt-bench", "humaneval")
@@ -136,7 +136,8 @@ def _mask_token(tok: Any, eos: tuple[int, ...], given: int | None) -> int:
 def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> dict[str, Any]:
     """Run the three phases; returns the report (also written to ``<out>/report.json``)."""
     from specpilot.drafters.dflash import DFlashDrafter
-    from specpilot.loading.dflash import save_dflash, spec_from_config
+    from specpilot.loading.dflash import spec_from_config
+    from specpilot.loading.dflash_save import save_dflash
     from specpilot.runtime import load_model, parse_device, parse_dtype
 
     s = settings
@@ -161,17 +162,17 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
         spec = spec_from_config(json.loads(spec_path.read_text()), str(spec_path))
     else:
         spec = spec_for_target(cfg, s.layers, s.block, _mask_token(tok, eos, s.mask_token_id), s.intermediate)  # fmt: skip
-        from specpilot.loading.dflash import config_from_spec
+        from specpilot.loading.dflash_save import config_from_spec
 
         spec_path.write_text(json.dumps(config_from_spec(spec), indent=2))
     net = DFlashNet(spec, target, torch.float32)
-    net.init_random(s.seed, std=0.02)
+    net.init_random(s.seed, std=0.02, norm_std=0.0)  # norms at 1, as HF initialises them
     for p in net.parameters():
         p.requires_grad_(True)
     fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)
 
     # ---------------------------------------------------------------- prompts and responses
-    prompts = D.split_prompts(D.first_human_turns(D.read_sharegpt(s.data)))
+    prompts = D.split_prompts(D.read_sharegpt(s.data))
     limit = (
         len(prompts.train) if s.train_prompts is None else min(s.train_prompts, len(prompts.train))
     )
@@ -217,7 +218,7 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
 
     # ---------------------------------------------------------------- training
     opt = torch.optim.AdamW(net.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    state = load_checkpoint(s.out / "checkpoints", net, opt) or {"step": 0, "epoch": 0, "pos": 0, "train_s": 0.0, "tau": {}}  # fmt: skip
+    state = load_checkpoint(s.out / "checkpoints", net, opt) or {"step": 0, "epoch": 0, "pos": 0, "tau": {}}  # fmt: skip
     if state["step"]:
         show(
             f"resumed at step {state['step']} (epoch {state['epoch']}, sequence {state['pos']})",
@@ -232,21 +233,23 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
     last_ckpt = last_eval = time.monotonic()
     loss_avg, acc_avg = math.nan, math.nan
 
-    def progress() -> float:
-        done = [0.0]
-        if s.steps is not None:
-            done.append(state["step"] / s.steps)
-        if train_budget is not None:
-            done.append((time.monotonic() - t_train) / max(train_budget, 1e-9))
-        return max(done)
+    def time_frac() -> float:
+        if train_budget is None:
+            return 0.0
+        return (time.monotonic() - t_train) / max(train_budget, 1e-9)
 
-    while progress() < 1.0:
+    def finished() -> bool:
+        return (s.steps is not None and state["step"] >= s.steps) or time_frac() >= 1.0
+
+    # The cosine follows the steps when they are given (one schedule across resumed runs; the
+    # minutes only stop a run), else this run's share of the time budget.
+    while not finished():
         for pos, tokens, mask in D.batches(
             samples, s.batch, s.seq_len, s.seed, state["epoch"], state["pos"]
         ):
-            if progress() >= 1.0:
+            if finished():
                 break
-            frac = progress()
+            frac = state["step"] / s.steps if s.steps is not None else time_frac()
             warm = min(1.0, (state["step"] + 1) / max(1, s.warmup))
             lr = s.lr * warm * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(frac, 1.0))))
             for g in opt.param_groups:
@@ -282,7 +285,6 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
                 state["tau"] = meter.measure(net)
                 last_eval = time.monotonic()
             if now - last_ckpt >= s.checkpoint_s:
-                state["train_s"] = state.get("train_s", 0.0) + (now - last_ckpt)
                 save_checkpoint(s.out / "checkpoints", net, opt, state)
                 last_ckpt = time.monotonic()
             taus = " ".join(f"{k} {v:.2f}" for k, v in state["tau"].items())
