@@ -356,3 +356,16 @@ def test_writer_round_trips_in_shards(
     monkeypatch.setattr(save_mod, "SHARD_BYTES", 10**9)  # re-saved in one file: the shards go
     save_mod.save_dflash(net, root, torch.float32)
     assert sorted(p.name for p in root.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_tuner_searches_the_block_length(tmp_path: Path) -> None:
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.tune.space import directions_for
+
+    target = tiny_model(tiny_config(layers=3, vocab=89), 0)
+    write_checkpoint(tmp_path / "d", target, block=8)
+    dep = DeploymentSpec(target="t", drafter="dflash", draft_model=str(tmp_path / "d"))
+    dirs = {d.name: d for d in directions_for(EngineConfig(dep, k=7), "cpu", "llama")}
+    (knob,) = dirs["draft-length"].params
+    assert (knob.low, knob.high, knob.default) == (1, 7, 7)
+    assert "mechanism:tree-verify" in dirs
