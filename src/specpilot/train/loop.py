@@ -15,8 +15,9 @@ Phases (each bounded, each resumable after a kill):
    bf16), loaded back by the loader the commands use, and its τ on the held-out sets measured
    by the real engine (``train/evaluate.py``); ``<out>/report.json``.
 
-Additions to the recipe an ``eagle3`` kind would replace: the network, its loss and its save
-(``KINDS`` below); data, features, schedule, checkpoints and τ are shared.
+What is particular to a drafter kind (its network, loss and format) is its recipe
+(``train/recipe.py``; DFlash: ``train/dflash_recipe.py``); data, features, schedule,
+checkpoints, budget and τ are shared.
 """
 
 from __future__ import annotations
@@ -28,20 +29,20 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from specpilot.errors import SpecPilotError
-from specpilot.models.dflash import DFlashNet, spec_for_target
-from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.train import data as D
 from specpilot.train.checkpoint import load_checkpoint, save_checkpoint
-from specpilot.train.dflash_loss import dflash_loss, make_blocks, sample_anchors
+from specpilot.train.recipe import KIND_NAMES, Recipe, recipes
 
-KINDS = ("dflash",)
-"""Drafter kinds ``train-drafter`` builds (``eagle3`` would be one more module and entry)."""
+if TYPE_CHECKING:
+    from torch import nn
+
+    from specpilot.models.transformer import Transformer
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,8 +86,10 @@ class TrainSettings:
     graphs: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise SpecPilotError(f"train-drafter builds {', '.join(KINDS)}, not '{self.kind}'.")
+        if self.kind not in KIND_NAMES:
+            raise SpecPilotError(
+                f"train-drafter builds {', '.join(KIND_NAMES)}, not '{self.kind}'."
+            )
         if self.minutes is None and self.steps is None:
             raise SpecPilotError("Give --minutes or --steps (or both) to bound the training.")
         if self.block < 2 or self.anchors < 1 or self.batch < 1:
@@ -121,32 +124,18 @@ class Progress:
             self.last = now
 
 
-def _mask_token(tok: Any, eos: tuple[int, ...], given: int | None) -> int:
-    """The explicit id; else a mask token of the tokenizer's; else its first EOS (SpecForge's
-    fallback order, for vocabularies without a free row such as SmolLM2's)."""
-    if given is not None:
-        return given
-    vocab = tok.vocab() if tok is not None else {}
-    for name in ("<|MASK|>", "<mask>", "[MASK]", "<|mask|>"):
-        if name in vocab:
-            return int(vocab[name])
-    return eos[0] if eos else 0
-
-
 def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> dict[str, Any]:
     """Run the three phases; returns the report (also written to ``<out>/report.json``)."""
-    from specpilot.drafters.dflash import DFlashDrafter
-    from specpilot.loading.dflash import spec_from_config
-    from specpilot.loading.dflash_save import save_dflash
+    from specpilot.engine import Engine
     from specpilot.runtime import load_model, parse_device, parse_dtype
+    from specpilot.train.evaluate import TauMeter
 
     s = settings
     show = log or Progress()
     start = time.monotonic()
     budget = None if s.minutes is None else s.minutes * 60.0
     device, dtype = parse_device(s.device), parse_dtype(s.dtype)
-    cuda = device.type == "cuda"
-    graphs = cuda if s.graphs is None else s.graphs
+    graphs = device.type == "cuda" if s.graphs is None else s.graphs
     torch.manual_seed(s.seed)
     s.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(s.target, dtype, device, max_context=4096)
@@ -154,38 +143,20 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
     if tok is None:
         raise SpecPilotError(f"{s.target} has no tokenizer; train-drafter needs one.")
     eos = tok.eos_token_ids
-    cfg = target.cfg
-
-    # ---------------------------------------------------------------- the network
-    spec_path = s.out / "spec.json"
-    if spec_path.is_file():  # resuming: the drafter's shape is the one checkpointed
-        spec = spec_from_config(json.loads(spec_path.read_text()), str(spec_path))
-    else:
-        spec = spec_for_target(cfg, s.layers, s.block, _mask_token(tok, eos, s.mask_token_id), s.intermediate)  # fmt: skip
-        from specpilot.loading.dflash_save import config_from_spec
-
-        spec_path.write_text(json.dumps(config_from_spec(spec), indent=2))
-    net = DFlashNet(spec, target, torch.float32)
-    net.init_random(s.seed, std=0.02, norm_std=0.0)  # norms at 1, as HF initialises them
-    for p in net.parameters():
-        p.requires_grad_(True)
-    fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)
+    recipe = recipes()[s.kind]
+    net = recipe.create(target, tok, s, s.out)
 
     # ---------------------------------------------------------------- prompts and responses
     prompts = D.split_prompts(D.read_sharegpt(s.data))
-    limit = (
-        len(prompts.train) if s.train_prompts is None else min(s.train_prompts, len(prompts.train))
-    )
+    limit = len(prompts.train) if s.train_prompts is None else min(s.train_prompts, len(prompts.train))  # fmt: skip
 
     def encode(text: str) -> list[int] | None:
         ids = tok.apply_chat_template([{"role": "user", "content": text}])
         return list(ids) if len(ids) <= s.max_prompt else None
 
-    store = D.ResponseStore(s.out / "responses", cfg.vocab_size)
+    store = D.ResponseStore(s.out / "responses", target.cfg.vocab_size)
     gen_deadline = start + (budget * s.gen_fraction if budget is not None else math.inf)
     if store.next_prompt < limit and time.monotonic() < gen_deadline:
-        from specpilot.engine import Engine
-
         cap = s.max_prompt + s.max_new + 64
         D.generate_responses(
             lambda: Engine(target, graphs=graphs, capacity=cap), store, prompts.train[:limit],
@@ -194,49 +165,80 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
     samples = store.load()
     if not samples:
         raise SpecPilotError("No responses were generated; give more --minutes.")
-    show(
-        f"{len(samples):,} training sequences, {sum(len(x.tokens) for x in samples):,} tokens", True
-    )
-
-    # ---------------------------------------------------------------- held-out τ
-    from specpilot.train.evaluate import TauMeter
+    tokens_total = sum(len(x.tokens) for x in samples)
+    show(f"{len(samples):,} training sequences, {tokens_total:,} tokens", True)
 
     def held_out(n: int) -> dict[str, list[list[int]]]:
-        texts: dict[str, list[str]] = {"sharegpt": prompts.held_out}
-        for name in s.eval_sets:
-            if name != "sharegpt":
-                from specpilot.bench.prompts import load_prompt_set
+        from specpilot.bench.prompts import load_prompt_set
 
-                texts[name] = [p.messages[0]["content"] for p in load_prompt_set(name)]
         out = {}
         for name in s.eval_sets:
-            ids = [e for e in (encode(t) for t in texts[name]) if e is not None]
-            out[name] = ids[:n]
+            texts = prompts.held_out if name == "sharegpt" else [p.messages[0]["content"] for p in load_prompt_set(name)]  # fmt: skip
+            out[name] = [e for e in (encode(t) for t in texts) if e is not None][:n]
         return out
 
-    meter = TauMeter(target, net, held_out(s.eval_prompts), s.eval_new, eos, s.eval_prompts, graphs)
-
     # ---------------------------------------------------------------- training
+    drafter = recipe.eval_drafter(target, net)
+    meter = TauMeter(target, drafter, held_out(s.eval_prompts), s.eval_new, eos, s.eval_prompts, graphs)  # fmt: skip
+    reserve = 0.0 if budget is None else max(20.0, 0.1 * budget)  # saving and the final τ
+    until = None if budget is None else start + budget - reserve
+    state = _train_steps(s, recipe, net, target, samples, until, show, lambda: meter.measure(lambda: recipe.sync(drafter, net)))  # fmt: skip
+
+    # ---------------------------------------------------------------- the result
+    drafter_dir = recipe.save(net, s.out / "drafter")
+    check = recipe.load(target, drafter_dir)  # loaded as the commands load it
+    n = max(1, min(s.final_eval_prompts, 32))
+    tau = TauMeter(target, check, held_out(s.final_eval_prompts), s.eval_new, eos, n, graphs).measure()  # fmt: skip
+    report = {
+        "drafter": str(drafter_dir),
+        "kind": s.kind,
+        "params": sum(p.numel() for p in net.parameters()),
+        "bytes": sum(f.stat().st_size for f in drafter_dir.glob("*.safetensors")),
+        "steps": state["step"],
+        "epochs": state["epoch"] + state["pos"] / max(1, len(samples)),
+        "sequences": len(samples),
+        "tokens": tokens_total,
+        "loss": state.get("loss"),
+        "acc1": state.get("acc1"),
+        "tau_periodic": state.get("tau", {}),
+        "tau_final": tau,
+        "eval": {"prompts_per_set": s.final_eval_prompts, "max_new_tokens": s.eval_new},
+        "wall_s": time.monotonic() - start,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+    }
+    (s.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    taus = " ".join(f"{k} {v:.2f}" for k, v in tau.items())
+    show(f"wrote {drafter_dir} ({report['bytes'] / 1e6:.1f} MB, loads); held-out τ {taus}", True)
+    return report
+
+
+def _train_steps(
+    s: TrainSettings,
+    recipe: Recipe,
+    net: nn.Module,
+    target: Transformer,
+    samples: list[D.Sample],
+    until: float | None,
+    show: Callable[..., None],
+    measure: Callable[[], dict[str, float]],
+) -> dict[str, Any]:
+    """Optimizer steps until ``--steps`` or the monotonic time ``until``; checkpoints on the
+    way and at the end; returns the training state."""
+    device = target.device
+    autocast = device.type == "cuda" and target.dtype != torch.float32
+    layers = recipe.hidden_layers(net)
     opt = torch.optim.AdamW(net.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    state = load_checkpoint(s.out / "checkpoints", net, opt) or {"step": 0, "epoch": 0, "pos": 0, "tau": {}}  # fmt: skip
+    ckpts = s.out / "checkpoints"
+    state = load_checkpoint(ckpts, net, opt) or {"step": 0, "epoch": 0, "pos": 0, "tau": {}}
     if state["step"]:
-        show(
-            f"resumed at step {state['step']} (epoch {state['epoch']}, sequence {state['pos']})",
-            True,
-        )
-    train_budget = (
-        None if budget is None else budget - (time.monotonic() - start) - _reserve(budget)
-    )
-    t_train = time.monotonic()
-    cache = KVCache.allocate(cfg, s.batch, s.seq_len, target.dtype, device)
+        show(f"resumed at step {state['step']} (epoch {state['epoch']}, sequence {state['pos']})", True)  # fmt: skip
+    cache = KVCache.allocate(target.cfg, s.batch, s.seq_len, target.dtype, device)
     gen = torch.Generator().manual_seed(s.seed * 7919 + state["step"])
-    last_ckpt = last_eval = time.monotonic()
+    t0 = last_ckpt = last_eval = time.monotonic()
     loss_avg, acc_avg = math.nan, math.nan
 
     def time_frac() -> float:
-        if train_budget is None:
-            return 0.0
-        return (time.monotonic() - t_train) / max(train_budget, 1e-9)
+        return 0.0 if until is None else (time.monotonic() - t0) / max(until - t0, 1e-9)
 
     def finished() -> bool:
         return (s.steps is not None and state["step"] >= s.steps) or time_frac() >= 1.0
@@ -244,9 +246,7 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
     # The cosine follows the steps when they are given (one schedule across resumed runs; the
     # minutes only stop a run), else this run's share of the time budget.
     while not finished():
-        for pos, tokens, mask in D.batches(
-            samples, s.batch, s.seq_len, s.seed, state["epoch"], state["pos"]
-        ):
+        for pos, tokens, mask in D.batches(samples, s.batch, s.seq_len, s.seed, state["epoch"], state["pos"]):  # fmt: skip
             if finished():
                 break
             frac = state["step"] / s.steps if s.steps is not None else time_frac()
@@ -255,73 +255,33 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
             for g in opt.param_groups:
                 g["lr"] = lr
             tokens, mask = tokens.to(device), mask.to(device)
-            with torch.no_grad():
-                out = target.forward(tokens, cache.slice(0, tokens.shape[0]), logits_rows=torch.zeros(tokens.shape[0], 1, dtype=torch.int64, device=device), hidden_layers=spec.target_layer_ids)  # fmt: skip
-                hidden = torch.stack([out.hidden[i] for i in spec.target_layer_ids])  # [n, b, S, H]
-            anchors, keep = sample_anchors(mask, s.anchors, gen)
-            blocks = make_blocks(
-                tokens, mask, anchors, keep, spec.block_size, spec.mask_token_id, s.gamma
-            )
-            with torch.autocast(
-                device.type, dtype=torch.bfloat16, enabled=cuda and dtype != torch.float32
-            ):
-                res = dflash_loss(net, fwd, hidden, blocks, torch.float32)
+            with torch.no_grad():  # the target's features, online
+                rows = torch.zeros(tokens.shape[0], 1, dtype=torch.int64, device=device)
+                out = target.forward(tokens, cache.slice(0, tokens.shape[0]), logits_rows=rows, hidden_layers=layers)  # fmt: skip
+                hidden = torch.stack([out.hidden[i] for i in layers])  # [n, b, S, H]
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                res = recipe.loss(net, hidden, tokens, mask, gen)
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
-            state["step"] += 1
-            state["pos"] = pos
-            lv = float(res.loss.detach())
+            state["step"], state["pos"] = state["step"] + 1, pos
+            lv, acc1 = float(res.loss.detach()), (res.accuracy[0] if res.accuracy else math.nan)
             loss_avg = lv if math.isnan(loss_avg) else 0.95 * loss_avg + 0.05 * lv
-            acc1 = res.accuracy[0] if res.accuracy else math.nan
-            acc_avg = (
-                acc1
-                if math.isnan(acc_avg)
-                else 0.95 * acc_avg + 0.05 * (acc1 if not math.isnan(acc1) else acc_avg)
-            )
-            now = time.monotonic()
-            if now - last_eval >= s.eval_every_s:
-                state["tau"] = meter.measure(net)
+            if not math.isnan(acc1):
+                acc_avg = acc1 if math.isnan(acc_avg) else 0.95 * acc_avg + 0.05 * acc1
+            state["loss"], state["acc1"] = loss_avg, acc_avg
+            if time.monotonic() - last_eval >= s.eval_every_s:
+                state["tau"] = measure()
                 last_eval = time.monotonic()
-            if now - last_ckpt >= s.checkpoint_s:
-                save_checkpoint(s.out / "checkpoints", net, opt, state)
+            if time.monotonic() - last_ckpt >= s.checkpoint_s:
+                save_checkpoint(ckpts, net, opt, state)
                 last_ckpt = time.monotonic()
             taus = " ".join(f"{k} {v:.2f}" for k, v in state["tau"].items())
-            show(f"step {state['step']}{'/' + str(s.steps) if s.steps else ''} epoch {state['epoch']} "
-                 f"loss {loss_avg:.3f} acc@1 {acc_avg:.3f} lr {lr:.1e}" + (f" | τ {taus}" if taus else ""))  # fmt: skip
+            steps = f"/{s.steps}" if s.steps else ""
+            show(f"step {state['step']}{steps} epoch {state['epoch']} loss {loss_avg:.3f} "
+                 f"acc@1 {acc_avg:.3f} lr {lr:.1e}" + (f" | τ {taus}" if taus else ""))  # fmt: skip
         else:
-            state["epoch"] += 1
-            state["pos"] = 0
-    save_checkpoint(s.out / "checkpoints", net, opt, state)
-
-    # ---------------------------------------------------------------- the result
-    drafter_dir = save_dflash(net, s.out / "drafter")
-    check = DFlashDrafter.load(target, drafter_dir, kind=spec.kind)  # what the commands load
-    final = TauMeter(target, check.net, held_out(s.final_eval_prompts), s.eval_new, eos, max(1, min(s.final_eval_prompts, 32)), graphs)  # fmt: skip
-    tau = final.measure(check.net)
-    report = {
-        "drafter": str(drafter_dir),
-        "kind": spec.kind,
-        "params": sum(p.numel() for p in net.parameters()),
-        "bytes": sum(f.stat().st_size for f in drafter_dir.glob("*.safetensors")),
-        "steps": state["step"],
-        "epochs": state["epoch"] + state["pos"] / max(1, len(samples)),
-        "sequences": len(samples),
-        "tokens": sum(len(x.tokens) for x in samples),
-        "loss": loss_avg,
-        "acc1": acc_avg,
-        "tau_final": tau,
-        "eval": {"prompts_per_set": s.final_eval_prompts, "max_new_tokens": s.eval_new},
-        "wall_s": time.monotonic() - start,
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
-    }
-    (s.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    show(f"wrote {drafter_dir} ({report['bytes'] / 1e6:.1f} MB, loads); held-out τ "
-         + " ".join(f"{k} {v:.2f}" for k, v in tau.items()), True)  # fmt: skip
-    return report
-
-
-def _reserve(budget: float) -> float:
-    """Seconds kept back from training for saving and the final τ (a tenth, at least 20 s)."""
-    return max(20.0, 0.1 * budget)
+            state["epoch"], state["pos"] = state["epoch"] + 1, 0
+    save_checkpoint(ckpts, net, opt, state)
+    return state
