@@ -15,6 +15,7 @@ from specpilot.commands import (
     models,
     profile,
     serve,
+    train_drafter,
     tune,
     verify,
 )
@@ -30,6 +31,7 @@ COMMANDS = {
     "tune": tune,
     "memory": memory,
     "compare": compare,
+    "train-drafter": train_drafter,
 }
 
 

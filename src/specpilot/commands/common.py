@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine import Engine
 from specpilot.engine.build import EngineBuild, build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
@@ -40,14 +41,16 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
     g.add_argument(
         "--drafter",
         default=default_drafter,
-        choices=["none", "ngram", "draft-model", "block"],
+        choices=["none", "ngram", "draft-model", "block", "dflash", "dflash2"],
         help="drafter kind (default: %(default)s; none = plain AR; block = a DFlash-shaped block "
-        "drafter with seeded random weights, for timing under --simulate-acceptance)",
+        "drafter with seeded random weights, for timing under --simulate-acceptance; dflash, "
+        "dflash2 = a learned block drafter from --draft-model DIR)",
     )
     g.add_argument(
         "--draft-model",
         default=None,
-        help="model for --drafter draft-model (same tokenizer as the target)",
+        help="model for --drafter draft-model (same tokenizer as the target), or the checkpoint "
+        "directory of --drafter dflash|dflash2 (config.json + safetensors)",
     )
     g.add_argument(
         "-k",
@@ -160,7 +163,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if not getattr(args, "gate", True):
             config = dataclasses.replace(config, gate={**(config.gate or {}), "enabled": False})
         return config
-    k = args.k if args.k is not None else DEFAULT_K.get(args.drafter, 8)
+    k = args.k if args.k is not None else default_k(args.drafter, args.draft_model)
     if sim is not None:
         k = _sim_k(sim, args.k)
     knobs = {"max_n": args.ngram_max, "min_n": args.ngram_min} if args.drafter == "ngram" else {}
@@ -179,6 +182,15 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15}
 """Tokens drafted per cycle when ``-k`` is not given (block: DFlash's block of 16)."""
+
+
+def default_k(drafter: str, draft_model: str | None) -> int:
+    """Tokens drafted per cycle when ``-k`` is not given; a DFlash checkpoint's block less one."""
+    if drafter in CHECKPOINT_DRAFTERS and draft_model is not None:
+        from specpilot.loading.dflash import block_size_of
+
+        return block_size_of(Path(draft_model)) - 1
+    return DEFAULT_K.get(drafter, 8)
 
 
 def _sim_k(profile: str, k: int | None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.tree import TreeShape
@@ -135,8 +136,15 @@ def build_engine(
         raise SpecPilotError("CUDA graphs need --device cuda; drop --graphs on the CPU.")
     if target is None:
         target = load_model(dep.target, dtype, device, max_context)
-    draft = load_model(dep.draft_model, dtype, device, max_context) if dep.draft_model else None
-    drafter = build_drafter(dep.drafter, target, config.k, draft, config.drafter_knobs)
+    own = dep.drafter in CHECKPOINT_DRAFTERS  # a DFlash directory is no model to load as one
+    draft = (
+        load_model(dep.draft_model, dtype, device, max_context)
+        if dep.draft_model and not own
+        else None
+    )
+    drafter = build_drafter(
+        dep.drafter, target, config.k, draft, config.drafter_knobs, draft_path=dep.draft_model
+    )
     if dep.simulate_acceptance is not None:
         drafter = simulate(drafter, dep.simulate_acceptance)
     build = EngineBuild(

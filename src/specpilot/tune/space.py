@@ -12,8 +12,10 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine.config import DEFAULT_SEGMENT_TOKENS, EngineConfig
 from specpilot.mechanisms import MECHANISMS, Knob
 
@@ -127,11 +129,16 @@ def directions_for(
     out: list[Direction] = []
     simulated = dep.simulate_acceptance is not None
     if dep.drafter != "none" and not simulated:
+        high = 16
+        if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model:  # a DFlash block's length
+            from specpilot.loading.dflash import block_size_of
+
+            high = min(high, block_size_of(Path(dep.draft_model)) - 1)
         out.append(
             Direction(
                 "draft-length",
                 ("draft", "verify"),
-                (Knob("k", base.k or 4, low=1, high=16),),
+                (Knob("k", min(base.k or 4, high), low=1, high=high),),
                 _with_k,
             )
         )
