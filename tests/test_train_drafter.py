@@ -145,3 +145,17 @@ def test_train_drafter_smoke_and_resume(tmp_path: Path, capsys: pytest.CaptureFi
     code = main(["generate", "hello world", "--target", str(model), "--drafter", "dflash",
                  "--draft-model", str(out / "drafter"), "--max-new-tokens", "8", "--device", "cpu"])  # fmt: skip
     assert code == 0
+
+
+def test_sharegpt_reads_a_gzipped_copy_and_a_cut_off_file(tmp_path: Path) -> None:
+    import gzip
+
+    from specpilot.train.data import read_sharegpt
+
+    plain = tiny_sharegpt(tmp_path / "s.json", n=5)
+    packed = tmp_path / "s.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_sharegpt(packed) == read_sharegpt(plain) and len(read_sharegpt(plain)) == 5
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(plain.read_bytes()[:-20])  # like the wheel's copy, cut inside the last one
+    assert len(read_sharegpt(cut)) == 4

