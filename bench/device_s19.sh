@@ -35,13 +35,13 @@ fi
 if [ "$part" = train ]; then
   [ -f "$GGUF" ] || cat .carry/ggufa/part00 .carry/ggufb/part01 > "$GGUF"
   sha256sum "$GGUF"
-  TAIL=30 step train 560 $SP train-drafter --target smollm2-135m --kind dflash --device cuda --dtype bf16 --minutes ${MINUTES:-8.6} --out /tmp/drafter-run --data .carry/sg/sharegpt_human.json.gz
+  TAIL=30 step train 560 $SP train-drafter --target smollm2-135m --kind dflash --device cuda --dtype bf16 --minutes ${MINUTES:-8.6} --out /tmp/drafter-run --data .carry/sg/sharegpt_human.json.gz ${TRAIN_ARGS:-}
   mkdir -p "$out/drafter" && cp -r /tmp/drafter-run/drafter/. "$out/drafter/" && cp /tmp/drafter-run/report.json "$out/" 2>/dev/null
   ls -la "$out/drafter"
 fi
 if [ "$part" = dflash ]; then
   D=${DRAFTER:-/tmp/drafter-run/drafter}
-  for set in mt-bench humaneval; do
+  for set in ${SETS:-mt-bench humaneval}; do
     TAIL=20 step "bench_dflash_$set" 200 $SP bench --target smollm2-135m --device cuda --dtype bf16 --drafter dflash --draft-model "$D" --prompts $set --limit 8 --max-new-tokens 256 --rounds 3 --out "$out/bench_dflash_$set.jsonl"
   done
 fi

@@ -118,6 +118,7 @@ class DenseLayout:
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         """``k, v [M, H_kv, D]`` into ``[B, H_kv, S, D]`` caches at the rows' slots."""
         b, t = self.batch, self.width
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # no-ops but under training autocast
         if self.write_start is not None:
             s = self.write_start
             k_cache[0, :, s : s + t] = k.transpose(0, 1)
