@@ -232,6 +232,41 @@ def test_hf_errors(tmp_path: Path) -> None:
     assert_one_sentence(e, "safetensors")
 
 
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        ({"num_attention_heads": None}, ("is missing the field num_attention_heads",)),
+        ({"vocab_size": None}, ("is missing the field vocab_size",)),
+        ({"num_hidden_layers": None}, ("is missing the field num_hidden_layers",)),
+        ({"hidden_size": "wide"}, ("field hidden_size should be an integer", "'wide'")),
+        ({"rms_norm_eps": "small"}, ("field rms_norm_eps should be a number",)),
+        ({"eos_token_id": [2, "end"]}, ("field eos_token_id should be an integer",)),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            ("is missing the field rope_scaling.low_freq_factor",),
+        ),
+        ({"rope_scaling": "llama3"}, ("field rope_scaling should be an object",)),
+    ],
+)
+def test_hf_config_errors_name_the_field(
+    tmp_path: Path, edit: dict[str, Any], fragments: tuple[str, ...]
+) -> None:
+    """A bad config.json names its file and the field, and says whether it is missing or bad
+    (it used to say "missing or has a bad field: 'num_attention_heads'")."""
+    cfg_dict = tiny_hf_config()
+    for key, value in edit.items():
+        if value is None:
+            del cfg_dict[key]
+        else:
+            cfg_dict[key] = value
+    root = tmp_path / "bad"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg_dict))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_dir(root)
+    assert_one_sentence(e, str(root / "config.json"), *fragments)
+
+
 def test_hf_truncated_and_missing(tmp_path: Path) -> None:
     cfg_dict = tiny_hf_config()
     cfg = ModelConfig.from_hf(cfg_dict)
