@@ -143,7 +143,9 @@ class ModelConfig:
             intermediate_size=fields.integer("intermediate_size"),
             num_layers=fields.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=fields.integer("num_key_value_heads", cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=fields.integer(
+                "num_key_value_heads", cfg.get("num_key_value_heads") or heads
+            ),
             head_dim=fields.integer("head_dim", cfg.get("head_dim") or hidden // max(heads, 1)),
             rms_norm_eps=fields.number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=fields.number("rope_theta", 10000.0 if theta is None else theta),
