@@ -11,6 +11,7 @@ from specpilot.drafters import DRAFTERS, Drafter, make_drafter
 from specpilot.errors import IncompatibleDrafterError, SpecPilotError
 from specpilot.loading import TextTokenizer, load_checkpoint, load_tokenizer, resolve_model
 from specpilot.models.transformer import Transformer
+from specpilot.progress import QUIET, Progress
 
 DTYPES = {
     "fp32": torch.float32,
@@ -36,14 +37,41 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` as a device this machine has; one sentence if not."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
         raise SpecPilotError(
-            "--device cuda was asked for but no CUDA GPU is visible; use --device cpu."
+            f"Unknown device '{name}'; choose cpu, cuda, cuda:N or auto."
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecPilotError(
+            f"SpecPilot runs on the CPU or a CUDA GPU, not on '{name}'; choose cpu, cuda, cuda:N "
+            "or auto."
         )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecPilotError(
+                "--device cuda was asked for but no CUDA GPU is visible; use --device cpu."
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SpecPilotError(
+                f"--device {name} names GPU {dev.index}, but this machine shows {count} "
+                f"(cuda:0 to cuda:{count - 1})."
+            )
     return dev
+
+
+def check_dtype_on_device(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a dtype the device cannot compute in (bf16 on a GPU older than Ampere)."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise SpecPilotError(
+            f"{torch.cuda.get_device_name(device)} does not compute in bf16; use --dtype fp16 or "
+            "fp32."
+        )
 
 
 @dataclass(slots=True)
@@ -59,9 +87,12 @@ def load_model(
     device: torch.device | str = "cpu",
     max_context: int = DEFAULT_MAX_CONTEXT,
     with_tokenizer: bool = True,
+    progress: Progress = QUIET,
 ) -> LoadedModel:
-    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`."""
-    cfg, tensors = load_checkpoint(spec)
+    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`
+    (a GGUF from its converted copy in the cache after the first time)."""
+    cfg, tensors = load_checkpoint(spec, progress)
+    progress.phase(f"placing the weights ({dtype_name(dtype)}, {device})")
     model = Transformer(
         cfg, dtype=dtype, device=device, max_positions=min(cfg.max_position_embeddings, max_context)
     )
@@ -69,7 +100,7 @@ def load_model(
     del tensors
     if model.device.type == "cpu":
         model.add_gemv_copies()
-    tokenizer = load_tokenizer(resolve_model(spec)) if with_tokenizer else None
+    tokenizer = load_tokenizer(resolve_model(spec), progress) if with_tokenizer else None
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from specpilot.config import ModelConfig
+from specpilot.loading.converted import load_with_converted_copy
 from specpilot.loading.fetch import (
     KNOWN_MODELS,
     cache_dir,
@@ -23,12 +24,22 @@ from specpilot.loading.fetch import (
 from specpilot.loading.gguf_file import load_gguf
 from specpilot.loading.hf import load_hf_dir
 from specpilot.loading.tokenizer import TextTokenizer, load_tokenizer
+from specpilot.progress import QUIET, Progress
 
 
-def load_checkpoint(spec: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader."""
-    path = resolve_model(str(spec))
-    return load_gguf(path) if path.is_file() else load_hf_dir(path)
+def load_checkpoint(
+    spec: str | Path, progress: Progress = QUIET
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader.
+
+    A GGUF is dequantized once and then read from its converted copy in the cache
+    (``loading/converted.py``); a HF directory is already safetensors and is read as it is.
+    """
+    path = resolve_model(str(spec), progress)
+    if path.is_file():
+        return load_with_converted_copy(path, load_gguf, progress)
+    progress.phase(f"reading {path.name}")
+    return load_hf_dir(path)
 
 
 __all__ = [
