@@ -37,6 +37,9 @@ class Recorder:
     def phase(self, text: str) -> None:
         self.phases.append(text)
 
+    def timed_phase(self, text: str) -> None:
+        self.phase(text)
+
     def detail(self, text: str) -> None:
         pass
 

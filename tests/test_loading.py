@@ -493,6 +493,9 @@ class Details:
     def phase(self, text: str) -> None:
         self.phases.append(text)
 
+    def timed_phase(self, text: str) -> None:
+        self.phase(text)
+
     def detail(self, text: str) -> None:
         self.details.append(text)
 

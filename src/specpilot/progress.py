@@ -5,6 +5,8 @@ The library never prints progress itself: a caller that wants it passes a :class
 everyone else gets :data:`QUIET`. Three levels, so that a log off a terminal stays short:
 
 * ``phase`` — a new step ("dequantizing model.gguf"); printed as a line when not on a terminal;
+  ``timed_phase`` is a step whose wall time is measured (a bench round): the reporter must run
+  nothing meanwhile (no spinner thread), so that it slows no measured run;
 * ``detail`` — how far the current step is ("tensor 120/272", "41.9 MB"); shown only on a
   spinner, never as a line;
 * ``note`` — something the user should see whatever the output is (a model is being fetched, a
@@ -21,6 +23,9 @@ class Progress(Protocol):
     def phase(self, text: str) -> None:
         """A new step of the work begins."""
 
+    def timed_phase(self, text: str) -> None:
+        """A new step begins whose wall time is measured: report it without running anything."""
+
     def detail(self, text: str) -> None:
         """How far the current step is (may be called often)."""
 
@@ -35,6 +40,9 @@ class _Quiet:
     __slots__ = ()
 
     def phase(self, text: str) -> None:
+        pass
+
+    def timed_phase(self, text: str) -> None:
         pass
 
     def detail(self, text: str) -> None:
