@@ -13,7 +13,6 @@ import torch
 
 from specpilot.config import ModelConfig
 from specpilot.loading import converted as conv
-from specpilot.loading import load_checkpoint
 from specpilot.loading.converted import (
     MANIFEST,
     WEIGHTS,
@@ -91,9 +90,12 @@ def test_second_load_reads_the_converted_copy(cache: Path, tmp_path: Path) -> No
     assert list_converted() == [(entry, str(src.resolve()), (entry / WEIGHTS).stat().st_size)]
 
 
-def test_load_checkpoint_and_load_model_skip_the_gguf_reader(
+def test_load_model_maps_the_converted_network(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The second load_model of a GGUF neither reads the GGUF nor copies the weights: the
+    network's parameters are the cache file's memory-mapped tensors (fp32 on the CPU), equal to
+    a fresh conversion bit for bit; another dtype is cast from them."""
     import gguf
 
     src, _, _ = tiny_gguf(tmp_path / "m.gguf")
@@ -108,7 +110,35 @@ def test_load_checkpoint_and_load_model_skip_the_gguf_reader(
         first.model.state_dict().items(), second.model.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
-    load_checkpoint(src)
+    # the CPU's [in, out] copies are kept (and mapped) too, equal to fresh transposes
+    for name, w in second.model.weights().items():
+        assert not w.untyped_storage().resizable(), f"{name} was copied, not mapped"
+        assert w.data_ptr() % 64 == 0, name
+        assert torch.equal(w, first.model.weights()[name]), name
+    assert any(n.startswith("gemv.") for n in second.model.weights())
+    half = load_model(str(src), torch.bfloat16, with_tokenizer=False)
+    assert half.model.embed.dtype == torch.bfloat16
+    assert torch.equal(half.model.embed, first.model.embed.to(torch.bfloat16))
+    assert half.model.lm_head_in_out is not None
+    assert torch.equal(half.model.lm_head_in_out, half.model.lm_head.t())
+
+
+def test_save_aligned_writes_standard_aligned_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {
+        "big": torch.randn(48, 16),  # 3072 bytes: a multiple of 64
+        "odd": torch.randn(7),  # 28 bytes: stored last
+        "half": torch.randn(32, 8).to(torch.bfloat16),
+        "a.norm": torch.randn(16),
+    }
+    conv.save_aligned(tensors, tmp_path / "w.safetensors")
+    got = load_file(str(tmp_path / "w.safetensors"))
+    assert sorted(got) == sorted(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    for name in ("big", "half", "a.norm"):
+        assert got[name].data_ptr() % 64 == 0, name
 
 
 def test_a_changed_source_is_converted_again(cache: Path, tmp_path: Path) -> None:
@@ -155,24 +185,22 @@ def test_a_corrupt_copy_is_detected_and_rebuilt(cache: Path, tmp_path: Path, dam
 def test_a_kill_while_writing_leaves_no_trusted_copy(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import safetensors.torch
-
     src, _, _ = tiny_gguf(tmp_path / "m.gguf")
-    real_save = safetensors.torch.save_file
+    real_save = conv.save_aligned
 
-    def killed_save(tensors: dict[str, torch.Tensor], filename: str, **kw: object) -> None:
-        real_save(tensors, filename)
-        Path(filename).write_bytes(Path(filename).read_bytes()[:1000])  # half written
+    def killed_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+        real_save(tensors, path)
+        path.write_bytes(path.read_bytes()[:1000])  # half written
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", killed_save)
+    monkeypatch.setattr(conv, "save_aligned", killed_save)
     loader = CountingLoader()
     with pytest.raises(KeyboardInterrupt):
         load_with_converted_copy(src, loader, Recorder())
     entry = converted_dir(src)
     assert not (entry / MANIFEST).exists() and not (entry / WEIGHTS).exists()
     assert list(entry.iterdir()) == []  # the temporary file is gone too
-    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    monkeypatch.setattr(conv, "save_aligned", real_save)
 
     # Killed after the weights were renamed into place but before the manifest: an old valid
     # manifest must not vouch for the new weights (it is removed before anything is written).
@@ -255,3 +283,15 @@ def test_a_damaged_converted_tokenizer_is_rebuilt(
     assert built[-1] == "saved" and [p.name for p in (cache / "tokenizers").iterdir()] == [
         saved.name
     ]
+
+
+def test_a_copy_of_another_layout_is_used_only_where_accepted(cache: Path, tmp_path: Path) -> None:
+    """A copy made for the CPU (with its [in, out] copies) serves a GPU load too; one made for
+    a GPU is rebuilt once for the CPU, with a note."""
+    src, _, _ = tiny_gguf(tmp_path / "m.gguf")
+    loader, rec = CountingLoader(), Recorder()
+    load_with_converted_copy(src, loader, rec, layout="plain")
+    load_with_converted_copy(src, loader, rec, layout="plain+cpu")
+    assert loader.calls == 2 and "holds plain, this load needs plain+cpu" in rec.notes[0]
+    load_with_converted_copy(src, loader, rec, layout="plain", also_accept=("plain+cpu",))
+    assert loader.calls == 2 and len(rec.notes) == 1

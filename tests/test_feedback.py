@@ -45,7 +45,8 @@ def test_generate_says_each_phase(model_dir, capsys):
         "placing the weights (fp32, cpu)",
         "loading the tokenizer",
         "building the engine",
-        "warming up AR and the speculative engine",
+        "warming up the engine",
+        "warming up plain AR",
         "plain AR on the same prompt, for the speedup",
         "token forcing the",
     ):

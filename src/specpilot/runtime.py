@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from specpilot.config import ModelConfig
 from specpilot.drafters import DRAFTERS, Drafter, make_drafter
-from specpilot.errors import IncompatibleDrafterError, SpecPilotError
-from specpilot.loading import TextTokenizer, load_checkpoint, load_tokenizer, resolve_model
+from specpilot.errors import CheckpointError, IncompatibleDrafterError, SpecPilotError
+from specpilot.loading import (
+    TextTokenizer,
+    load_checkpoint,
+    load_gguf,
+    load_tokenizer,
+    resolve_model,
+)
+from specpilot.loading.converted import load_with_converted_copy
 from specpilot.models.transformer import Transformer
 from specpilot.progress import QUIET, Progress
 
@@ -89,19 +100,69 @@ def load_model(
     with_tokenizer: bool = True,
     progress: Progress = QUIET,
 ) -> LoadedModel:
-    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`
-    (a GGUF from its converted copy in the cache after the first time)."""
-    cfg, tensors = load_checkpoint(spec, progress)
+    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`.
+
+    A GGUF is read and dequantized once: its network's float32 weights are kept in the cache
+    (``loading/converted.py``) and later loads map them (fp32 on the CPU: without a copy)."""
+    path = resolve_model(spec, progress)
+    cpu = torch.device(device).type == "cpu"
+    if path.is_file():
+
+        def convert(source: Path, progress: Progress) -> tuple[ModelConfig, dict[str, Tensor]]:
+            return _gguf_network_weights(source, progress, gemv=cpu)
+
+        # A copy made for the CPU holds its [in, out] copies too, and serves a GPU as well.
+        cfg, weights = load_with_converted_copy(
+            path,
+            convert,
+            progress,
+            NETWORK_LAYOUT_CPU if cpu else NETWORK_LAYOUT,
+            _check_network_weights,
+            also_accept=() if cpu else (NETWORK_LAYOUT_CPU,),
+        )
+    else:
+        cfg, tensors = load_checkpoint(path, progress)
     progress.phase(f"placing the weights ({dtype_name(dtype)}, {device})")
     model = Transformer(
         cfg, dtype=dtype, device=device, max_positions=min(cfg.max_position_embeddings, max_context)
     )
-    model.load_hf_state_dict(tensors)
-    del tensors
-    if model.device.type == "cpu":
+    if path.is_file():
+        model.adopt_weights(weights)
+        del weights
+    else:
+        model.load_hf_state_dict(tensors)
+        del tensors
+    if cpu and not model.has_gemv_copies:
         model.add_gemv_copies()
-    tokenizer = load_tokenizer(resolve_model(spec), progress) if with_tokenizer else None
+    tokenizer = load_tokenizer(path, progress) if with_tokenizer else None
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+NETWORK_LAYOUT = "transformer-weights-1"
+"""What a converted copy holds: ``Transformer.weights`` (change it when their names change)."""
+NETWORK_LAYOUT_CPU = NETWORK_LAYOUT + "+gemv"
+"""The same with the CPU's ``[in, out]`` copies of its one-row products."""
+
+
+def _gguf_network_weights(
+    path: Path, progress: Progress, gemv: bool
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """A GGUF's network weights in float32 on the CPU, as ``Transformer.weights`` names them
+    (``gemv``: with the CPU's ``[in, out]`` copies, for a load on the CPU)."""
+    cfg, tensors = load_gguf(path, progress)
+    progress.phase(f"fusing the weights of {path.name}")
+    net = Transformer(cfg, dtype=torch.float32, device="cpu", max_positions=1)
+    net.load_hf_state_dict(tensors)
+    del tensors
+    if gemv:
+        net.add_gemv_copies()
+    return cfg, net.weights()
+
+
+def _check_network_weights(cfg: ModelConfig, weights: Mapping[str, Tensor], where: str) -> None:
+    got = {name: tuple(t.shape) for name, t in weights.items()}
+    if got not in (Transformer.weight_shapes(cfg), Transformer.weight_shapes(cfg, gemv=True)):
+        raise CheckpointError(f"{where} holds weights of another shape than its config implies.")
 
 
 BLOCK_KNOBS = ("layers", "context_layers", "seed")

@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from specpilot.config import ModelConfig
-from specpilot.loading.converted import load_with_converted_copy
 from specpilot.loading.fetch import (
     KNOWN_MODELS,
     cache_dir,
@@ -30,14 +29,11 @@ from specpilot.progress import QUIET, Progress
 def load_checkpoint(
     spec: str | Path, progress: Progress = QUIET
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader.
-
-    A GGUF is dequantized once and then read from its converted copy in the cache
-    (``loading/converted.py``); a HF directory is already safetensors and is read as it is.
-    """
+    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader
+    (every time: ``runtime.load_model`` keeps a converted copy of a GGUF's network instead)."""
     path = resolve_model(str(spec), progress)
     if path.is_file():
-        return load_with_converted_copy(path, load_gguf, progress)
+        return load_gguf(path, progress)
     progress.phase(f"reading {path.name}")
     return load_hf_dir(path)
 
