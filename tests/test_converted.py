@@ -295,3 +295,17 @@ def test_a_copy_of_another_layout_is_used_only_where_accepted(cache: Path, tmp_p
     assert loader.calls == 2 and "holds plain, this load needs plain+cpu" in rec.notes[0]
     load_with_converted_copy(src, loader, rec, layout="plain", also_accept=("plain+cpu",))
     assert loader.calls == 2 and len(rec.notes) == 1
+
+
+def test_models_list_shows_the_converted_copies(
+    cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specpilot.cli import main
+
+    src, _, _ = tiny_gguf(tmp_path / "m.gguf")
+    load_model(str(src), with_tokenizer=False)
+    assert main(["models", "list"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("converted copy")]
+    assert (
+        len(lines) == 1 and str(src.resolve()) in lines[0] and str(converted_dir(src)) in lines[0]
+    )
