@@ -122,6 +122,10 @@ def test_missing_target_and_files(nothing_loads, tmp_path, model_dir, capsys):
         (["tune", "--max-new-tokens", "0"], ["--max-new-tokens"]),
         (["tune", "-k", "1000"], ["-k 1000"]),
         (["tune", "--device", "gpu"], ["Unknown device"]),
+        (["tune", "--budget", "0"], ["--budget must be more than 0 seconds"]),
+        (["tune", "--trials", "0"], ["--trials must be at least 1"]),
+        (["tune", "--compare-limit", "-1"], ["--compare-limit must be at least 0"]),
+        (["tune", "--mode", "batched", "--requests", "0"], ["--requests must be at least 1"]),
     ],
 )
 def test_every_command_checks_before_loading(model_dir, nothing_loads, capsys, argv, fragments):

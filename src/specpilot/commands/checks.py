@@ -67,6 +67,14 @@ def check_shared(args: argparse.Namespace) -> None:
     at_least(args, "max_new_tokens", 1)
     at_least(args, "threads", 1)
     at_least(args, "limit", 1)
+    at_least(args, "requests", 1)
+    # tune's search options (commands/tune.py): only what no reading of them allows
+    budget = getattr(args, "budget", None)
+    if budget is not None and budget <= 0:
+        raise SpecPilotError(f"--budget must be more than 0 seconds, got {budget}.")
+    for dest in ("trials", "directions", "measure_rounds", "workers"):
+        at_least(args, dest, 1)
+    at_least(args, "compare_limit", 0)
     prompts = getattr(args, "prompts", None)
     if isinstance(prompts, str):
         from specpilot.bench.prompts import list_prompt_sets
