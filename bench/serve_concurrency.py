@@ -57,6 +57,15 @@ def _metric(url: str, name: str) -> float:
     return float("nan")
 
 
+ENGINE_METRICS = (
+    "specpilot_engine_step_seconds",
+    "specpilot_engine_host_seconds",
+    "specpilot_step_rows_sum",
+    "specpilot_step_rows_count",
+)
+"""Where the engine thread's time went in a round (server metrics, read before and after)."""
+
+
 def _round(client: Any, model: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Send every prompt at once (one thread each); wall time of the whole round."""
     out: list[Any] = [None] * len(prompts)
@@ -130,7 +139,18 @@ def main() -> None:
             _round(client, model, batch, args.max_tokens)  # warm-up
             sent += c
             drained()
+            before = {m: _metric(url, m) for m in ENGINE_METRICS}
             r = _round(client, model, batch, args.max_tokens)
+            after = {m: _metric(url, m) for m in ENGINE_METRICS}
+            d = {m.removeprefix("specpilot_"): after[m] - before[m] for m in ENGINE_METRICS}
+            steps = max(d["step_rows_count"], 1.0)
+            r["engine"] = {
+                **d,
+                "step_share": d["engine_step_seconds"] / r["wall_s"],
+                "host_share": d["engine_host_seconds"] / r["wall_s"],
+                "rows_per_step": d["step_rows_sum"] / steps,
+                "ms_per_step": 1e3 * d["engine_step_seconds"] / steps,
+            }
             sent += c
             drained()
             results["levels"][str(c)] = r
@@ -170,10 +190,16 @@ def main() -> None:
     for r in results["levels"].values():
         r["over_single"] = r["tok_s"] / single if single else None
     (args.out / "serve_concurrency.json").write_text(json.dumps(results, indent=1))
-    print("concurrency  aggregate tok/s  x single  equal to offline")
+    print(
+        "concurrency  aggregate tok/s  x single  equal to offline  in steps  host  rows/step  ms/step"
+    )
     for c, r in results["levels"].items():
-        over = r["over_single"]
-        print(f"{c:>11}  {r['tok_s']:15.1f}  {over:8.2f}  {r['equal_to_offline']:>16}")
+        over, e = r["over_single"], r["engine"]
+        print(
+            f"{c:>11}  {r['tok_s']:15.1f}  {over:8.2f}  {r['equal_to_offline']:>16}  "
+            f"{e['step_share']:8.0%}  {e['host_share']:4.0%}  {e['rows_per_step']:9.1f}  "
+            f"{e['ms_per_step']:7.2f}"
+        )
     print(
         f"audit (the server token-forced {results['audit']['audited']:.0f} of "
         f"{results['responses']} responses): {results['audit']}"

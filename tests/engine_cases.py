@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 from specpilot.drafters import BlockDrafter, DraftModelDrafter, NgramDrafter
 from specpilot.drafters.base import Drafter
+from specpilot.drafters.dflash import DFlashDrafter
 from specpilot.drafters.early_exit import early_exit_model
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
@@ -29,6 +30,7 @@ from specpilot.mechanisms.fp8_copy import fp8_model
 from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
 from specpilot.mechanisms.int8_copy import cheap_model
 from specpilot.mechanisms.two_level import TwoLevelDrafter
+from specpilot.models.dflash import DFlashNet, spec_for_target
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import init_random_on_device
 
@@ -87,6 +89,21 @@ def block_drafter(target: Transformer, block: int = 6, seed: int = 3) -> BlockDr
     drafter = BlockDrafter(target, num_layers=1, block=block, num_context_layers=2)
     init_random_on_device(drafter.weights, seed)
     return drafter
+
+
+def dflash_drafter(target: Transformer, rng: random.Random, kind: str = "dflash") -> DFlashDrafter:
+    """A seeded DFlash (or DFlash2: block conv and candidate selector) drafter of 1-2 layers."""
+    extra = {}
+    if kind == "dflash2":
+        extra = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    ids = sorted(rng.sample(range(target.cfg.num_layers), rng.randint(1, target.cfg.num_layers)))
+    spec = spec_for_target(
+        target.cfg, rng.randint(1, 2), rng.randint(3, 9), rng.randrange(target.cfg.vocab_size),
+        48, ids, kind, **extra,
+    )  # fmt: skip
+    net = DFlashNet(spec, target)
+    net.init_random(rng.randrange(100), std=0.15)
+    return DFlashDrafter(net, rng.randint(2, spec.block_size - 1))
 
 
 def simulated(
@@ -192,6 +209,15 @@ CASES: dict[str, Case] = {
     ),
     "block/ragged-trees": _case(
         lambda t, o, r: (block_drafter(t, 6), TreePlan(ragged_trees(r, 5)))
+    ),
+    # the learned block drafters (seeded weights of the published architecture)
+    "dflash/chain": _case(lambda t, o, r: (dflash_drafter(t, r), None)),
+    "dflash/fixed-tree": _case(
+        lambda t, o, r: (d := dflash_drafter(t, r), TreePlan(FixedTree(static_tree(r, d.k))))
+    ),
+    "dflash2/chain": _case(lambda t, o, r: (dflash_drafter(t, r, "dflash2"), None)),
+    "dflash2/packed+tiered": _case(
+        lambda t, o, r: (dflash_drafter(t, r, "dflash2"), PackedPlan(TieredBudget(3.0), 4))
     ),
     "sim/chain": _case(lambda t, o, r: (simulated(t, r, r.randint(3, 9)), None)),
     "sim/packed+row-block-len": _case(

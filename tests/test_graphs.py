@@ -309,6 +309,8 @@ CUDA_CASES = [
     "draft/fixed-tree",
     "block/chain",
     "block/ragged-trees",
+    "dflash/fixed-tree",
+    "dflash2/chain",
     "sim/chain",
     "sim/packed+row-block-len",
     "sim/ragged-trees",

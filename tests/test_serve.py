@@ -48,6 +48,7 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(self, app, port: int) -> None:
+        self.app = app
         self.port = port
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
@@ -231,13 +232,14 @@ def test_client_disconnect_cancels_generation(model_dir):
 
 
 class _Slow(WrappedDrafter):
-    """The inner drafter, 20 ms slower per proposal."""
+    """The inner drafter, ``seconds`` (20 ms) slower per proposal."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, seconds: float = 0.02) -> None:
         super().__init__(inner, inner.name, inner.k)
+        self.seconds = seconds
 
     def propose(self, rows, attn_len):
-        time.sleep(0.02)
+        time.sleep(self.seconds)
         return self.inner.propose(rows, attn_len)
 
 

@@ -269,7 +269,8 @@ def test_registered_for_both_tree_sources() -> None:
     assert mech.plug_point == "verify_strategy"
     assert mech.applies.allows("cpu", "fp32", "ngram", "batched", "llama")
     assert mech.applies.allows("cuda", "bf16", "block", "single", "llama")
-    assert not mech.applies.allows("cpu", "fp32", "dflash", "single", "llama")
+    assert mech.applies.allows("cpu", "fp32", "dflash", "single", "llama")
+    assert not mech.applies.allows("cpu", "fp32", "none", "single", "llama")
     knobs = mech.resolve_knobs({"depth": 6, "width": 2, "max_nodes": 9})
     target = tiny_model(tiny_config(), 0)
     trie = _build(NgramDrafter(k=4))

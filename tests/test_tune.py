@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -104,6 +105,8 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
     tuned = json.loads((out / "tuned.json").read_text())
     assert FAULTY.name not in tuned["mechanisms"]
     assert "REJECTED by token forcing" in log and "+test-faulty-verify" in log
+    # progress as it happens: every candidate built and every round measured gets a line
+    assert "built and warmed up k=" in log and "timing round 1/" in log and "timing round 2/" in log
     report = (out / "report.md").read_text()
     assert "Price of the search" in report and "Break-even" in report and "REJECTED" in report
     for png in ("speed_vs_search.png", "cycle_breakdown.png", "acceptance.png"):
@@ -161,6 +164,9 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
     assert main(["memory", "--memory", str(memory), "list"]) == 0
     listing = capsys.readouterr().out
     key = listing.split()[0]
+    # memory list and the report count the same trials (one run so far)
+    counted = re.search(r"; (\d+) trials", report)
+    assert counted is not None and f" {counted.group(1)} trials in 1 run(s)" in listing
     assert main(["memory", "--memory", str(memory), "show", key[:6]]) == 0
     assert "REJECTED" in capsys.readouterr().out
     assert (

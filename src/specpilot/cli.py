@@ -15,6 +15,7 @@ from specpilot.commands import (
     models,
     profile,
     serve,
+    train_drafter,
     tune,
     verify,
 )
@@ -31,6 +32,7 @@ COMMANDS = {
     "tune": tune,
     "memory": memory,
     "compare": compare,
+    "train-drafter": train_drafter,
 }
 
 

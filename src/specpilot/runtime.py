@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from specpilot.config import ModelConfig
-from specpilot.drafters import DRAFTERS, Drafter, make_drafter
+from specpilot.drafters import CHECKPOINT_DRAFTERS, DRAFTERS, Drafter, make_drafter
 from specpilot.errors import CheckpointError, IncompatibleDrafterError, SpecPilotError
 from specpilot.loading import (
     TextTokenizer,
@@ -175,8 +175,10 @@ def build_drafter(
     k: int,
     draft_model: LoadedModel | None = None,
     knobs: dict[str, Any] | None = None,
+    draft_path: str | None = None,
 ) -> Drafter | None:
-    """The drafter named ``name`` for ``target`` (None or "none": plain AR decoding)."""
+    """The drafter named ``name`` for ``target`` (None or "none": plain AR decoding);
+    ``draft_path``: the checkpoint directory of a drafter that loads its own (DFlash)."""
     if name in (None, "none") or k == 0:
         return None
     if name not in DRAFTERS:
@@ -185,6 +187,18 @@ def build_drafter(
         )
     knobs = dict(knobs or {})
     vocab = target.model.cfg.vocab_size
+    if name in CHECKPOINT_DRAFTERS:
+        if draft_path is None:
+            raise SpecPilotError(
+                f"The {name} drafter needs --draft-model DIR, a {name} checkpoint directory "
+                "(config.json + safetensors); train one with specpilot train-drafter."
+            )
+        if knobs:
+            raise SpecPilotError(f"The {name} drafter has no knob(s) {sorted(knobs)}.")
+        try:
+            return make_drafter(name, target=target.model, path=draft_path, k=k)
+        except ValueError as e:
+            raise SpecPilotError(f"The {name} drafter: {e}.") from None
     if name == "draft-model" and draft_model is None and "exit_layers" in knobs:
         # No separate draft model: the target's first ``exit_layers`` layers draft (early exit).
         from specpilot.drafters.early_exit import early_exit_model

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 MIN_ROUNDS_FOR_VERDICT = 3
+NOISY_DRIFT = 1.25
+"""A baseline whose fastest round beats its slowest by more than this ran on a busy machine."""
 
 
 @dataclass(slots=True)
@@ -117,6 +119,25 @@ class Measurement:
     def last(self, arm: str) -> Sample:
         return self.samples[arm][-1]
 
+    def drift(self, arm: str) -> float:
+        """Fastest over slowest round of one arm (1.0: the machine was steady)."""
+        rates = [s.tok_s for s in self.samples.get(arm, []) if s.tok_s > 0]
+        return max(rates) / min(rates) if len(rates) > 1 else 1.0
+
+    def noise_note(self, baseline: str = "ar") -> str | None:
+        """A plain sentence when the baseline's own speed moved by more than ``NOISY_DRIFT``
+        across rounds (a busy machine), else None."""
+        d = self.drift(baseline)
+        if d <= NOISY_DRIFT:
+            return None
+        rates = [s.tok_s for s in self.samples[baseline]]
+        return (
+            f"the machine was busy: {baseline} alone ran at {min(rates):.1f}-{max(rates):.1f} "
+            f"tok/s across rounds ({d:.2f}x apart); the ratios are taken per round, but a "
+            "difference inside their spread is noise, and the absolute tok/s are not this "
+            "machine's speed"
+        )
+
 
 def timed(
     device: torch.device,
@@ -147,16 +168,21 @@ def interleave(
 ) -> Measurement:
     """``warmup`` uncounted rounds, then up to ``rounds`` counted ones; in each, every arm once,
     in an order rotated by one from round to round. ``deadline`` (a ``time.perf_counter``
-    value): no counted round starts after it, and at least one is always run."""
+    value): a counted round starts only if it would end by then, judged by the last round's
+    length; at least one is always run."""
     names = list(arms)
     out = Measurement({n: [] for n in names})
+    last = 0.0
     for r in range(warmup + rounds):
         counted = r >= warmup
-        if counted and deadline is not None and r > warmup and time.perf_counter() > deadline:
+        late = deadline is not None and time.perf_counter() + last > deadline
+        if counted and r > warmup and late:
             break
+        t0 = time.perf_counter()
         shift = r % len(names)
         order = names[shift:] + names[:shift]
         got = {n: arms[n]() for n in order}
+        last = time.perf_counter() - t0
         if counted:
             for n in names:
                 out.samples[n].append(got[n])

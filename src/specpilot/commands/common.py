@@ -11,6 +11,7 @@ from types import ModuleType
 import torch
 
 from specpilot.commands.checks import MAX_K, Check, at_least, check_shared
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine import Engine
 from specpilot.engine.build import EngineBuild, build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
@@ -46,14 +47,16 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
     g.add_argument(
         "--drafter",
         default=default_drafter,
-        choices=["none", "ngram", "draft-model", "block"],
+        choices=["none", "ngram", "draft-model", "block", "dflash", "dflash2"],
         help="drafter kind (default: %(default)s; none = plain AR; block = a DFlash-shaped block "
-        "drafter with seeded random weights, for timing under --simulate-acceptance)",
+        "drafter with seeded random weights, for timing under --simulate-acceptance; dflash, "
+        "dflash2 = a learned block drafter from --draft-model DIR)",
     )
     g.add_argument(
         "--draft-model",
         default=None,
-        help="model for --drafter draft-model (same tokenizer as the target)",
+        help="model for --drafter draft-model (same tokenizer as the target), or the checkpoint "
+        "directory of --drafter dflash|dflash2 (config.json + safetensors)",
     )
     g.add_argument(
         "-k",
@@ -100,6 +103,14 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
         help="time a deployment whose real drafter is not at hand: the drafter runs for real, its "
         "proposals follow PROFILE ('tau=6.5,block=16' or 'rates=0.9,0.8,...'; block sets -k to "
         "block - 1); verification stays real and every figure says 'simulated acceptance'",
+    )
+    g.add_argument(
+        "--no-gate",
+        dest="gate",
+        action="store_false",
+        default=True,
+        help="draft on every cycle (default: a request stops drafting while its drafts do not "
+        "pay, and probes again later; lossless either way)",
     )
     g.add_argument(
         "--no-graphs",
@@ -156,8 +167,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         if sim is not None:  # the flag wins over the file's profile
             dep = dataclasses.replace(config.deployment, simulate_acceptance=sim)
             config = dataclasses.replace(config, deployment=dep, k=_sim_k(sim, config.k))
+        if not getattr(args, "gate", True):
+            config = dataclasses.replace(config, gate={**(config.gate or {}), "enabled": False})
         return config
-    k = args.k if args.k is not None else DEFAULT_K.get(args.drafter, 8)
+    k = args.k if args.k is not None else default_k(args.drafter, args.draft_model)
     if sim is not None:
         k = _sim_k(sim, args.k)
     knobs = {"max_n": args.ngram_max, "min_n": args.ngram_min} if args.drafter == "ngram" else {}
@@ -170,11 +183,21 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         mode=getattr(args, "mode", None) or "single",
         simulate_acceptance=sim,
     )
-    return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs)
+    gate = None if getattr(args, "gate", True) else {"enabled": False}
+    return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs, gate=gate)
 
 
 DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15}
 """Tokens drafted per cycle when ``-k`` is not given (block: DFlash's block of 16)."""
+
+
+def default_k(drafter: str, draft_model: str | None) -> int:
+    """Tokens drafted per cycle when ``-k`` is not given; a DFlash checkpoint's block less one."""
+    if drafter in CHECKPOINT_DRAFTERS and draft_model is not None:
+        from specpilot.loading.dflash import block_size_of
+
+        return block_size_of(Path(draft_model)) - 1
+    return DEFAULT_K.get(drafter, 8)
 
 
 def _sim_k(profile: str, k: int | None) -> int:
@@ -264,6 +287,11 @@ def check_engine_config(config: EngineConfig, source: str | None = None) -> list
     ):
         raise SpecPilotError(
             "The draft-model drafter needs --draft-model (a smaller model with the same tokenizer)."
+        )
+    if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None:
+        raise SpecPilotError(
+            f"The {dep.drafter} drafter needs --draft-model DIR, a {dep.drafter} checkpoint "
+            "directory (config.json + safetensors); train one with specpilot train-drafter."
         )
     drafts = dep.drafter != "none" and config.k > 0
     if dep.simulate_acceptance is not None and not drafts:

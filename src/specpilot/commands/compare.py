@@ -38,26 +38,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="stock engine config (default: the tuned config without mechanisms, k and drafter knobs at their defaults)",
     )
     p.add_argument(
-        "--prompts", default="copy-heavy", help="prompt set or .jsonl file (default: %(default)s)"
+        "--prompts",
+        default=None,
+        help="prompt set or .jsonl file (default: the tune's, from run.json beside --engine; "
+        "else copy-heavy)",
     )
     p.add_argument(
         "--skip",
         type=int,
-        default=4,
-        help="skip the first N prompts (the tuning ones; default: %(default)s)",
+        default=None,
+        help="skip the first N prompts (default: the tune's tuning prompts; else 4)",
     )
     p.add_argument(
         "--limit",
         type=int,
-        default=6,
-        help="prompts compared after the skip (default: %(default)s)",
+        default=None,
+        help="prompts compared after the skip (default: the tune's held-out count; else 6)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="(default: the tune's; else 128)"
+    )
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="interleaved rounds of the three engines after a warm-up (default: %(default)s)",
+        default=None,
+        help="interleaved rounds of the three engines after a warm-up (default: the tune's; "
+        "else 3)",
     )
     p.add_argument(
         "--no-graphs",
@@ -85,6 +91,33 @@ def stock_of(tuned: EngineConfig) -> EngineConfig:
     return EngineConfig(deployment=tuned.deployment, k=k, drafter_knobs=knobs)
 
 
+FALLBACKS = {"prompts": "copy-heavy", "skip": 4, "limit": 6, "max_new_tokens": 128, "rounds": 3}
+"""What compare uses when neither a flag nor the tune's run.json says."""
+
+
+def resolve_defaults(args: argparse.Namespace) -> list[str]:
+    """Fill every option left unset from ``run.json`` beside ``--engine`` (what the tune that
+    wrote it measured), else from ``FALLBACKS``; returns the names taken from the run."""
+    from specpilot.commands.tune_compare import RUN_FILE
+
+    run: dict[str, object] = {}
+    path = Path(args.engine).parent / RUN_FILE
+    if path.is_file():
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            run = {}
+    taken = []
+    for name, fallback in FALLBACKS.items():
+        if getattr(args, name, None) is not None:
+            continue
+        value = run.get(name, fallback)
+        if name in run:
+            taken.append(name)
+        setattr(args, name, type(fallback)(value))  # type: ignore[call-arg]
+    return taken
+
+
 def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
     """``target``: the stock target already loaded by the caller (``tune``), to save a reload;
     it must be the unmodified model of the configs' deployment."""
@@ -94,6 +127,9 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    taken = resolve_defaults(args)
+    if taken and not args.json:
+        print(f"as the tune that wrote {args.engine} did: {', '.join(taken)} from its run.json")
     if args.rounds < 1:
         raise SpecPilotError(f"--rounds must be at least 1, got {args.rounds}.")
     tuned_cfg = EngineConfig.load(args.engine)
@@ -166,6 +202,7 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
                     "rounds": rounds,
                     "simulated_acceptance": tuned_build.simulated,
                     "tuned_vs_stock": tuned_vs_stock.to_dict(),
+                    "ar_drift": m.drift("ar"),
                     **summary,
                 },
                 indent=2,
@@ -186,6 +223,9 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
             f"{reports[name].summary()}"
         )
     print(f"  tuned over stock speculative: {tuned_vs_stock.text()} — {_say(tuned_vs_stock)}")
+    note = m.noise_note("ar")
+    if note is not None:
+        print(f"  note: {note}")
     return 0 if ok else 1
 
 

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
                 best = store.validated(key)
                 trials = store.trials(deployment=key)
                 summary = f"best {best[0]['speedup']:.2f}x" if best else "nothing validated"
-                print(f"{key}  {label}  {len(trials)} trials, {summary}")
+                runs = len({t.run for t in trials})
+                print(f"{key}  {label}  {len(trials)} trials in {runs} run(s), {summary}")
             return 0
         keys = [k for k, _, _ in deployments if k.startswith(args.deployment)]
         if len(keys) != 1:

@@ -48,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="when a request gives no max_tokens (default: %(default)s)",
     )
     p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body read; a larger one gets a 413 before it is read (default: "
+        "32 bytes per token of the context, at least 1 MiB: 1 MiB for a context of 8192)",
+    )
+    p.add_argument(
         "--audit-rate",
         type=float,
         default=0.0,
@@ -103,7 +110,8 @@ def startup_line(settings: ServeSettings) -> str:
     mechs = ", ".join(e["mechanisms"]) or "none"
     return (
         f"{settings.model_name} · drafter {e['drafter']} · plan {e['plan']} · mechanisms {mechs} "
-        f"· {e['runner']} · {e['slots']} slots · context {settings.context}"
+        f"· {e['runner']} · {e['slots']} slots · context {settings.context} "
+        f"· body ≤ {settings.body_limit} bytes"
     )
 
 
@@ -119,6 +127,8 @@ def build_worker(
 
     if not 0.0 <= args.audit_rate <= 1.0:
         raise SpecPilotError(f"--audit-rate must be between 0 and 1, got {args.audit_rate}.")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise SpecPilotError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}.")
     if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
         raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
     dep = build_deployment(args, progress)
@@ -156,5 +166,6 @@ def build_app(args: argparse.Namespace, progress: Progress = QUIET) -> FastAPI:
         default_max_tokens=args.default_max_tokens,
         api_key=args.api_key,
         engine=engine,
+        max_body_bytes=args.max_body_bytes,
     )
     return create_app(worker, settings)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.common import add_engine_args, config_from_args
+from specpilot.commands.tune_compare import compare_reserve_s, write_run
 from specpilot.engine.config import EngineConfig
 from specpilot.errors import SpecPilotError
 from specpilot.loading.fetch import cache_dir
@@ -210,7 +211,14 @@ def run(args: argparse.Namespace) -> int:
             ) from None
     else:
         executor = LocalExecutor(
-            base, prompts, args.max_new_tokens, stream, graphs, rounds, width=args.trials
+            base,
+            prompts,
+            args.max_new_tokens,
+            stream,
+            graphs,
+            rounds,
+            width=args.trials,
+            progress=lambda m: print(f"    [{time.perf_counter() - started:.0f}s] {m}", flush=True),
         )
     arch, num_layers = "llama", None
     if isinstance(executor, LocalExecutor):
@@ -276,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
     tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
     base.save(stock)
+    write_run(args.out, args.prompts, args.limit, args.compare_limit, args.max_new_tokens, rounds)
     report = write_report(outcome, label, device.type, args.out, tuned, notes)
     from specpilot.tune.report import verdict_lines
 
@@ -296,34 +305,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.compare_limit <= 0:
         return 0
-    held_out = len(load_prompt_set(args.prompts, args.limit + args.compare_limit)) - args.limit
-    if held_out <= 0:
-        print(f"no held-out prompts left in {args.prompts} after the tuning ones: compare skipped")
-        return 0
-    from specpilot.commands import compare
+    from specpilot.commands.tune_compare import held_out_compare
 
-    print(
-        f"[{time.perf_counter() - started:.0f}s] compare on {args.compare_limit} held-out prompts "
-        f"of {args.prompts} (after the {args.limit} tuning ones):"
-    )
-    cmp_args = argparse.Namespace(
-        engine=tuned,
-        stock=stock,
-        prompts=args.prompts,
-        skip=args.limit,
-        limit=args.compare_limit,
-        max_new_tokens=args.max_new_tokens,
-        rounds=rounds,
-        graphs=graphs,
-        budget_s=max(args.budget - (time.perf_counter() - started) - 10.0, 1.0),
-        threads=None,
-        out=args.out / "compare.jsonl",
-        json=False,
-    )
-    loaded = executor.evaluator.stock if isinstance(executor, LocalExecutor) else None
-    rc = compare.run(cmp_args, target=loaded)
-    print(f"[{time.perf_counter() - started:.0f}s] done")
-    return rc
+    return held_out_compare(args, tuned, stock, executor, graphs, rounds, started)
 
 
 def scope_notes(
@@ -361,16 +345,6 @@ def scope_notes(
         )
     lines += [f"not searched: {s}" for s in skipped_mechanisms(base, device, arch)]
     return lines
-
-
-def compare_reserve_s(prompts: int, max_new_tokens: int, ar_tok_s: float, rounds: int) -> float:
-    """Seconds to keep for the final compare: ``rounds`` interleaved rounds of AR, stock and
-    tuned over every held-out prompt (speculative counted at AR speed, to be safe), token
-    forcing (about one more pass), and building the engines (the loaded target is reused). The
-    compare itself stops starting rounds when its time is up, and says so."""
-    if prompts <= 0:
-        return 0.0
-    return (3 * rounds + 1) * prompts * max_new_tokens / max(ar_tok_s, 1e-6) + 10.0
 
 
 def profiled_gap_order(

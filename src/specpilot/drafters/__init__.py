@@ -7,6 +7,7 @@ from typing import Any
 
 from specpilot.drafters.base import Drafter, DraftRows
 from specpilot.drafters.block_drafter import BlockDrafter
+from specpilot.drafters.dflash import DFlashDrafter, load_dflash, load_dflash2
 from specpilot.drafters.draft_model import DraftModelDrafter
 from specpilot.drafters.ngram import NgramDrafter
 
@@ -14,8 +15,14 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     NgramDrafter.name: NgramDrafter,
     DraftModelDrafter.name: DraftModelDrafter,
     BlockDrafter.name: BlockDrafter,
+    "dflash": load_dflash,
+    "dflash2": load_dflash2,
 }
 """Name → constructor. The composition root and the CLI dispatch through this table only."""
+
+CHECKPOINT_DRAFTERS = frozenset({"dflash", "dflash2"})
+"""Drafters built from their own checkpoint directory (``--draft-model DIR``), called as
+``factory(target=Transformer, path=DIR, k=k)``, rather than from a loaded draft model."""
 
 
 def make_drafter(name: str, **knobs: Any) -> Drafter:
@@ -29,8 +36,10 @@ def make_drafter(name: str, **knobs: Any) -> Drafter:
 
 
 __all__ = [
+    "CHECKPOINT_DRAFTERS",
     "DRAFTERS",
     "BlockDrafter",
+    "DFlashDrafter",
     "DraftModelDrafter",
     "DraftRows",
     "Drafter",

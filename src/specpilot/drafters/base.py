@@ -168,3 +168,18 @@ class HostDrafter:
 
     def observe(self, rows: DraftRows, committed: Sequence[tuple[int, int, list[int]]]) -> None:
         return None
+
+
+@runtime_checkable
+class Resyncable(Protocol):
+    """A drafter that can catch up on tokens committed while it did not draft."""
+
+    def resync(self, rows: DraftRows, which: Sequence[int], since: Sequence[int]) -> None:
+        """Rows ``which`` committed tokens by AR from committed length ``since[i]`` on; bring the
+        drafter's own state up to their committed lengths."""
+        ...
+
+
+def gateable(drafter: object) -> bool:
+    """Whether the gate may turn drafting off for ``drafter`` (it must catch up afterwards)."""
+    return isinstance(drafter, Resyncable) and bool(getattr(drafter, "gateable", True))

@@ -67,6 +67,20 @@ class DraftModelDrafter:
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         return None
 
+    def resync(self, rows: DraftRows, which: Sequence[int], since: Sequence[int]) -> None:
+        """Rows that committed by AR from ``since`` on: feed the draft model the tokens it missed
+        (its cache holds slots below ``since - 2``; a cycle feeds the last two itself), one
+        eager forward per row (drafting resumes rarely)."""
+        st = rows.state
+        lens = rows.committed_lens()
+        for row, s in zip(which, since, strict=True):
+            lo, hi = max(s - 2, 0), lens[row] - 2
+            if hi <= lo:
+                continue
+            tokens = st.tokens[row : row + 1, lo:hi]  # [1, T]
+            start = torch.tensor([lo], dtype=torch.int64, device=st.tokens.device)
+            self.prefill(rows, row, tokens, start, rows.bucket(hi), None)
+
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:
         return rows.bucket(max_committed + self.k)
 

@@ -46,6 +46,10 @@ class NgramDrafter(HostDrafter):
         for row in which:
             self._rows[row] = _RowIndex()
 
+    def resync(self, rows: DraftRows, which: Sequence[int], since: Sequence[int]) -> None:
+        """Nothing to do: the index catches up from ``rows.contexts`` at the next lookup."""
+        return None
+
     def _index(self, row: _RowIndex, ctx: Sequence[int]) -> None:
         # Index grams that end strictly before the last token, so the suffix never finds itself.
         end = len(ctx) - 1

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter, DraftRows
+from specpilot.drafters.base import Drafter, DraftRows, gateable
 
 SIM_LABEL = "simulated acceptance"
 STRATUM = 64
@@ -219,6 +219,15 @@ class SimulatedAcceptance:
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         """One reference run gives every newly decoding row its oracle."""
         self.inner.admitted(rows, which)
+        self.reanchor(rows)
+
+    @property
+    def gateable(self) -> bool:
+        return gateable(self.inner)
+
+    def resync(self, rows: DraftRows, which: Sequence[int], since: Sequence[int]) -> None:
+        """The inner drafter catches up; the oracle is recomputed from the committed state."""
+        self.inner.resync(rows, which, since)  # type: ignore[attr-defined]
         self.reanchor(rows)
 
     def reanchor(self, rows: DraftRows) -> None:

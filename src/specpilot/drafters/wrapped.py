@@ -15,7 +15,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter, DraftRows
+from specpilot.drafters.base import Drafter, DraftRows, gateable
 
 
 class WrappedDrafter:
@@ -45,6 +45,13 @@ class WrappedDrafter:
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         self.inner.admitted(rows, which)
+
+    @property
+    def gateable(self) -> bool:
+        return gateable(self.inner)
+
+    def resync(self, rows: DraftRows, which: Sequence[int], since: Sequence[int]) -> None:
+        self.inner.resync(rows, which, since)  # type: ignore[attr-defined]
 
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:
         return self.inner.attn_len(rows, max_committed)

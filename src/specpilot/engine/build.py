@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.engine import Engine
+from specpilot.engine.gate import SpecGate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
 from specpilot.engine.scheduler import Scheduler
 from specpilot.engine.tree_policy import TreePolicy
@@ -74,8 +76,15 @@ class EngineBuild:
 
     def engine(self, **options: Any) -> Engine:
         """The engine with this build's drafter and mechanisms (``options``: Engine keywords)."""
+        settings = self.config.gate_settings()
+        gate = SpecGate(settings) if settings.enabled and self.drafter is not None else None
         return Engine(
-            self.target.model, self.drafter, plan=self.plan(), graphs=self.graphs, **options
+            self.target.model,
+            self.drafter,
+            plan=self.plan(),
+            graphs=self.graphs,
+            gate=options.pop("gate", gate),
+            **options,
         )
 
     def stock_engine(self, **options: Any) -> Engine:
@@ -127,8 +136,15 @@ def build_engine(
         raise SpecPilotError("CUDA graphs need --device cuda; drop --graphs on the CPU.")
     if target is None:
         target = load_model(dep.target, dtype, device, max_context)
-    draft = load_model(dep.draft_model, dtype, device, max_context) if dep.draft_model else None
-    drafter = build_drafter(dep.drafter, target, config.k, draft, config.drafter_knobs)
+    own = dep.drafter in CHECKPOINT_DRAFTERS  # a DFlash directory is no model to load as one
+    draft = (
+        load_model(dep.draft_model, dtype, device, max_context)
+        if dep.draft_model and not own
+        else None
+    )
+    drafter = build_drafter(
+        dep.drafter, target, config.k, draft, config.drafter_knobs, draft_path=dep.draft_model
+    )
     if dep.simulate_acceptance is not None:
         drafter = simulate(drafter, dep.simulate_acceptance)
     build = EngineBuild(

@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpilot.errors import SpecPilotError
+
+if TYPE_CHECKING:
+    from specpilot.engine.gate import GateSettings
 
 MODES = ("single", "batched")
 DEFAULT_SEGMENT_TOKENS = 256
@@ -62,12 +65,20 @@ class EngineConfig:
     """Batched mode (continuous-batching scheduler): prompt tokens a newly admitted request feeds
     per step (segment admission). None = the command's default (256); a ``--segment-tokens`` flag
     given on the command line wins over it."""
+    gate: dict[str, Any] | None = None
+    """The speculation gate's knobs (``engine/gate.GateSettings``): a request stops drafting while
+    its drafts do not pay and probes again later. None = the defaults (on); ``{"enabled":
+    false}`` drafts on every cycle."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
             raise SpecPilotError(f"k must be at least 0, got {self.k}.")
         if self.segment_tokens is not None and self.segment_tokens < 1:
             raise SpecPilotError(f"segment_tokens must be at least 1, got {self.segment_tokens}.")
+        try:
+            self.gate_settings()
+        except (TypeError, ValueError) as e:
+            raise SpecPilotError(f"Engine config: {e}.") from None
         from specpilot.mechanisms import MECHANISMS
 
         for name, knobs in self.mechanisms.items():
@@ -81,10 +92,16 @@ class EngineConfig:
             except ValueError as e:
                 raise SpecPilotError(f"Engine config: {e}.") from None
 
+    def gate_settings(self) -> GateSettings:
+        from specpilot.engine.gate import GateSettings
+
+        return GateSettings.from_dict(self.gate)
+
     def to_json(self) -> str:
         d = asdict(self)
-        if d["segment_tokens"] is None:  # unset: the JSON (and the config hash) stay as before
-            del d["segment_tokens"]
+        for unset in ("segment_tokens", "gate"):  # the JSON (and the config hash) stay as before
+            if d[unset] is None:
+                del d[unset]
         if d["deployment"]["simulate_acceptance"] is None:
             del d["deployment"]["simulate_acceptance"]
         return json.dumps(d, indent=2)
@@ -104,6 +121,7 @@ class EngineConfig:
                 segment_tokens=(
                     None if d.get("segment_tokens") is None else int(d["segment_tokens"])
                 ),
+                gate=None if d.get("gate") is None else dict(d["gate"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecPilotError(f"Engine config is malformed ({e}).") from None

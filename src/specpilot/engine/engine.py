@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter
+from specpilot.drafters.base import Drafter, gateable
 from specpilot.engine.accept import accept_and_commit
+from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
@@ -41,7 +42,6 @@ from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout, Layout, PackedLayout, PackedRows
 from specpilot.models.transformer import Transformer
-from specpilot.timing import time_call
 
 
 class Engine:
@@ -60,12 +60,14 @@ class Engine:
         profile: bool = False,
         capacity: int | None = None,
         verify_width: int = 0,
+        gate: SpecGate | None = None,
     ) -> None:
         """``graphs``: run steps from CUDA graphs (default: on CUDA). ``plan``: the verify plan
         (default: the chain). ``profile``: time the draft, verify and accept phases.
         ``capacity``: KV slots per row (default: the model's RoPE table), allocated once, so
         that graphs captured on the buffers stay valid for every later request.
-        ``verify_width``: the widest forward ``time_forward`` may time (verify-cost curves)."""
+        ``verify_width``: the widest forward ``time_forward`` may time (verify-cost curves).
+        ``gate``: turns drafting off for rows whose drafts stop paying (``engine/gate.py``)."""
         if plan is not None and drafter is None:
             raise ValueError("A verify plan needs a drafter; plain AR verifies one token per row.")
         self.target = target
@@ -92,6 +94,9 @@ class Engine:
         self._draft_host: Tensor | None = None  # [B, k+1] pinned: host drafts + their lengths
         self.host = HostRows.idle(0)
         self._clock = PhaseClock(self.device)
+        self.gate = gate if drafter is not None and gateable(drafter) else None
+        self.unsynced: dict[int, int] = {}
+        """Rows whose drafter paused (gated AR steps) -> their committed length then."""
 
     # ------------------------------------------------------------------ sizes
     def context_margin(self) -> int:
@@ -170,23 +175,11 @@ class Engine:
         assert self._draft_host is not None and len(drafts) == self.batch
         return self.state.write_drafts(drafts, self._draft_host, self.k)
 
-    @torch.inference_mode()
     def reference_continuation(self, n: int) -> list[list[int]]:
-        """The target's next ``n`` greedy tokens per row from the committed state, by AR steps of
-        this engine's own forward, not committed (the KV they write lies past the committed
-        lengths, where the next forward overwrites it). Excluded from the timed wall clock."""
-        st = self.state
-        self.runner.synchronize()
-        t0 = time.perf_counter()
-        snap, base = st.snapshot(), max(self.host.lens)
-        for s in range(n):
-            self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
-            self.run_accept(0)
-        tokens = st.tokens[:, : base + n].cpu().tolist()
-        st.restore(snap)
-        self.runner.synchronize()
-        self.times.excluded += time.perf_counter() - t0
-        return [tokens[row][c : c + n] for row, c in enumerate(self.host.lens)]
+        """The target's next ``n`` greedy tokens per row, not committed (``engine/probes.py``)."""
+        from specpilot.engine.probes import reference_continuation
+
+        return reference_continuation(self, n)
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()
@@ -210,6 +203,9 @@ class Engine:
             t.zero_()
         st.cut.fill_(self.k_max)
         self.host = HostRows.idle(batch)
+        self.unsynced = {}
+        if self.gate is not None:
+            self.gate.reset(batch)
         if self.plan is not None:
             self.plan.bind(self)
 
@@ -264,25 +260,40 @@ class Engine:
         h.lens[row], h.final[row], h.contexts[row], h.active[row] = IDLE_LEN, IDLE_LEN, [], False
         if row in h.filled:
             h.filled.remove(row)
+        self.unsynced.pop(row, None)
+        if self.gate is not None:
+            self.gate.reset_row(row)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     def step(self) -> list[RowCommit]:
-        """One cycle over every decoding row (``sync_every`` AR steps without a drafter)."""
+        """One cycle over every decoding row (``sync_every`` AR steps without a drafter, or
+        while the gate has turned drafting off for every decoding row)."""
         if not any(self.host.active):
             return []
         t0, excluded0 = time.perf_counter(), self.times.excluded
         if self.host.filled and self.drafter is not None:
             self.drafter.admitted(self, list(self.host.filled))
         self.host.filled = []
-        out = self._ar_window() if self.drafter is None else self._spec_cycle()
+        gate = self.gate
+        if self.drafter is None:
+            out = self.ar_window()
+        elif gate is not None and (gate.all_off(self.host.active) or gate.wants_ar_time()):
+            out = gated_ar_window(self, gate)
+        else:
+            resync_drafter(self)
+            out = self._spec_cycle()
+            if gate is not None:
+                seconds = time.perf_counter() - t0 - (self.times.excluded - excluded0)
+                gate.observe_cycle(seconds, [(c.row, len(c.tokens)) for c in out])
         self.times.wall += time.perf_counter() - t0 - (self.times.excluded - excluded0)
         return out
 
-    def _ar_window(self) -> list[RowCommit]:
+    def ar_window(self, limit: int | None = None) -> list[RowCommit]:
         h, st = self.host, self.state
         rows = [b for b, a in enumerate(h.active) if a]
-        steps = max(1, min(self.sync_every, max(h.final[b] - h.lens[b] for b in rows)))
+        steps = min(self.sync_every, limit or self.sync_every)
+        steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
         base = max(h.lens)
         for s in range(steps):
             self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
@@ -407,17 +418,8 @@ class Engine:
         if self.profile:
             self._clock.mark()
 
-    @torch.inference_mode()
     def time_forward(self, width: int, iters: int = 20) -> float:
-        """Seconds per target forward of ``width`` tokens per row (a verify of ``width - 1``
-        drafts) at the current committed state, replayed like a cycle's verify (median of 3
-        runs of ``iters``). Writes only scratch: K/V past the committed length, the argmax."""
-        if width - 1 > self.k_max:
-            raise ValueError(f"width must be at most {self.k_max + 1}, got {width}")
-        attn_len = self.bucket(max(self.host.lens) - 1 + width)
-        step = self._verify_step(width, attn_len, None, None)
+        """Seconds per target forward of ``width`` tokens per row (``engine/probes.py``)."""
+        from specpilot.engine.probes import time_forward
 
-        def once() -> None:
-            self.runner.run(("time", width, attn_len), step, self.state, self.verify_graph_safe)
-
-        return time_call(once, self.device, iters, warmup=1)
+        return time_forward(self, width, iters)

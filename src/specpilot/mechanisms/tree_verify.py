@@ -107,7 +107,7 @@ MECHANISM = Mechanism(
     lossless=LOSSLESS,
     apply=_apply_fixed,
     knobs=TREE_KNOBS,
-    applies=Applicability(drafters=("ngram", "draft-model", "block")),
+    applies=Applicability(drafters=("ngram", "draft-model", "block", "dflash", "dflash2")),
     summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
 )
 
@@ -124,6 +124,8 @@ RAGGED_TREES = Mechanism(
         Knob("decay", 0.2, low=0.01, high=1.0, doc="weight of the newest cycle in the EMA"),
         Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
     ),
-    applies=Applicability(drafters=("draft-model", "block"), modes=("batched",)),
+    applies=Applicability(
+        drafters=("draft-model", "block", "dflash", "dflash2"), modes=("batched",)
+    ),
     summary="A chain for confident rows, a wider tree for uncertain ones (batched)",
 )

@@ -22,9 +22,9 @@ layer's ``[in, out]`` copy when the model keeps one (``Transformer.add_gemv_copi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -35,22 +35,55 @@ from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout, Layout, PackedLayout
 
 if TYPE_CHECKING:
-    from specpilot.models.transformer import DecoderLayer, Transformer
+    from specpilot.config import ModelConfig
+    from specpilot.models.transformer import DecoderLayer
 
 
-class Forward:
-    """The layer body and the whole passes over a :class:`Transformer`'s weights."""
+class Network(Protocol):
+    """What the layer body reads of a network: a :class:`Transformer`, or a drafter network
+    built on the target's embedding and LM head (``models/dflash.py``)."""
+
+    @property
+    def cfg(self) -> ModelConfig: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def layers(self) -> Iterable[torch.nn.Module]: ...
+    @property
+    def embed(self) -> Tensor: ...  # [vocab, hidden]
+    @property
+    def final_norm(self) -> Tensor: ...  # [hidden]
+    @property
+    def lm_head(self) -> Tensor: ...  # [vocab, hidden]
+    @property
+    def lm_head_in_out(self) -> Tensor | None: ...  # [hidden, vocab] copy, or None
+    @property
+    def argmax_head(self) -> Callable[[Tensor], Tensor] | None: ...
+    @property
+    def rope_cos(self) -> Tensor: ...  # [P, head_dim] float32
+    @property
+    def rope_sin(self) -> Tensor: ...
+
+
+NetT = TypeVar("NetT", bound=Network)
+
+
+class Forward(Generic[NetT]):
+    """The layer body and the whole passes over a :class:`Transformer`'s weights (or another
+    :class:`Network`'s: a DFlash drafter's)."""
 
     def __init__(
         self,
-        model: Transformer,
+        model: NetT,
         use_triton: bool | None = None,
         fuse_residual: bool | None = None,
         layers: Sequence[DecoderLayer] | None = None,
     ) -> None:
         """``layers``: the decoder layers to run (default: the model's; a block drafter passes
         its own, with the target's embedding, final norm and LM head)."""
-        self.model = model
+        self.model: NetT = model
         self.cfg = model.cfg
         self.layers: list[DecoderLayer] = list(layers if layers is not None else model.layers)  # type: ignore[arg-type]
         self.use_triton = triton_usable(model.device) if use_triton is None else use_triton
@@ -148,15 +181,26 @@ class Forward:
     ) -> Tensor:
         cfg = self.cfg
         hn = self.norm(x, layer.input_norm)
+        conv_a, conv_m = layer.attention_conv, layer.mlp_conv  # DFlash2's block mixes, or None
+        rows = lay.block if isinstance(lay, DenseLayout) and lay.block else lay.width
+        if conv_a is not None:
+            hn, dyn_a = conv_a.prepare(hn, rows)
         qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
         attn = F.scaled_dot_product_attention(
             q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
         )  # [B, H_kv, G*W, D]
-        x = self.linear_residual(x, lay.gather(attn), layer, "w_o")
+        if conv_a is None:
+            x = self.linear_residual(x, lay.gather(attn), layer, "w_o")
+        else:
+            x = x + conv_a.finish(self.linear(layer, "w_o", lay.gather(attn)), dyn_a, rows)
         hn = self.norm(x, layer.post_attn_norm)
+        if conv_m is not None:
+            hn, dyn_m = conv_m.prepare(hn, rows)
         act = self.silu_mul(self.linear(layer, "w_gate_up", hn))  # [M, I]
-        return self.linear_residual(x, act, layer, "w_down")
+        if conv_m is None:
+            return self.linear_residual(x, act, layer, "w_down")
+        return x + conv_m.finish(self.linear(layer, "w_down", act), dyn_m, rows)
 
     def write_kv(
         self,

@@ -70,6 +70,9 @@ class DenseLayout:
     """Host-known first slot when ``batch == 1``: K/V are written by a slice, not an index."""
     slots: Tensor | None = None
     """[M] int64 cache slots when they differ from the positions (None: the positions)."""
+    block: int = 0
+    """Rows per independent draft block within a sequence's ``T`` rows, for the block mixes of
+    DFlash2 layers (a trainer packs many blocks per sequence); 0: the whole ``T``."""
     _cos_sin: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
 
     @classmethod

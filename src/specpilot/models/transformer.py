@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
 from specpilot.errors import CheckpointError
+from specpilot.models.block_conv import BlockConv
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout
@@ -58,6 +59,10 @@ class DecoderLayer(nn.Module):
         self.w_o = p(h, cfg.q_size)
         self.w_gate_up = p(2 * cfg.intermediate_size, h)
         self.w_down = p(h, cfg.intermediate_size)
+        # DFlash2 drafters mix the rows of each draft block around attention and the MLP
+        # (``models/block_conv.py``); None everywhere else.
+        self.attention_conv: BlockConv | None = None
+        self.mlp_conv: BlockConv | None = None
 
 
 class Transformer(nn.Module):

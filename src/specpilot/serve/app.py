@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
@@ -16,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specpilot.serve.guard import RequestGuard, default_max_body_bytes, error
 from specpilot.serve.schemas import ChatCompletionRequest, CompletionRequest
 from specpilot.serve.worker import EngineWorker, Job, Outcome
 
@@ -32,13 +32,12 @@ class ServeSettings:
     engine: dict[str, Any] = field(default_factory=dict)
     """What serves the model (drafter label, plan, mechanisms, runner, slots), shown on
     /v1/models; its ``drafter`` says ``simulated acceptance`` when the acceptance is simulated."""
+    max_body_bytes: int | None = None
+    """Largest request body read (413 above it); None: ``default_max_body_bytes(context)``."""
 
-
-def error(
-    status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes or default_max_body_bytes(self.context)
 
 
 def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
@@ -61,22 +60,12 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
             return error(400, "The request body is not valid JSON.")
         return error(400, f"{where}: {msg}" if where else msg, param=where or None)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Any) -> Response:
-        given = request.headers.get("authorization", "").encode()
-        wanted = f"Bearer {settings.api_key}".encode()
-        if (
-            settings.api_key
-            and request.url.path.startswith("/v1/")
-            and not hmac.compare_digest(given, wanted)
-        ):
-            return error(
-                401,
-                "Missing or wrong API key; send 'Authorization: Bearer <key>'.",
-                "authentication_error",
-            )
-        response: Response = await call_next(request)
-        return response
+    app.add_middleware(
+        RequestGuard,
+        api_key=settings.api_key,
+        max_body_bytes=settings.body_limit,
+        on_abandoned=worker.metrics.abandoned.inc,
+    )
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -95,7 +84,8 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
     def check(
         req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int]
     ) -> JSONResponse | int:
-        if req.model is not None and req.model != settings.model_name:
+        # no model (or ""): the one served model, as vLLM and SGLang do (docs/SERVE.md)
+        if req.model and req.model != settings.model_name:
             return error(
                 404,
                 f"Model '{req.model}' is not served here; this server serves '{settings.model_name}'.",
@@ -119,23 +109,29 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
         stream: bool,
         shape: Any,
     ) -> Response:
-        job = Job(prompt_ids, budget, stops, asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        job = Job(prompt_ids, budget, stops, loop, asyncio.Queue(), stream=stream)
         try:
             worker.submit(job)
         except RuntimeError as e:
             return error(503, f"{e}.", "server_error")
         rid, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
         if not stream:
+            # Nothing is sent before the answer, so only the receive channel tells that the
+            # client went away: watch it beside the job, and cancel the job when it says so.
+            watch = asyncio.create_task(_client_gone(request, worker, job))
             try:
-                while True:
-                    kind, payload = await job.out.get()
-                    if kind == "done":
-                        return JSONResponse(shape.full(rid, created, payload, len(prompt_ids)))
-                    if kind == "error":
-                        return error(500, payload, "server_error")
+                kind, payload = await job.out.get()
             except asyncio.CancelledError:
-                job.cancelled.set()
+                worker.cancel(job)
                 raise
+            finally:
+                watch.cancel()
+            if kind == "done":
+                return JSONResponse(shape.full(rid, created, payload, len(prompt_ids)))
+            if kind == "gone":  # nobody reads this
+                return Response(status_code=499)
+            return error(500, payload, "server_error")
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -154,7 +150,7 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
                         yield sse({"error": {"message": payload, "type": "server_error"}})
                         return
             finally:  # the client went away, or we finished: either way nothing more is wanted
-                job.cancelled.set()
+                worker.cancel(job)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -192,6 +188,15 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
         )
 
     return app
+
+
+async def _client_gone(request: Request, worker: EngineWorker, job: Job) -> None:
+    """Wait for the client to go away (``http.disconnect``), then cancel ``job`` and wake its
+    waiter. The body was read already, so the channel has nothing else to say."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    worker.cancel(job)
+    job.out.put_nowait(("gone", None))
 
 
 def sse(obj: dict[str, Any]) -> bytes:

@@ -9,16 +9,35 @@ from specpilot.engine import AcceptanceStats
 
 class ServerMetrics:
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
         r = self.registry
+        self.submitted = Counter(
+            "specpilot_submitted_requests",
+            "Generations handed to the engine (each ends completed, cancelled or failed)",
+            registry=r,
+        )
+        self.abandoned = Counter(
+            "specpilot_abandoned_requests",
+            "Requests whose client went away before their body was read (never generated)",
+            registry=r,
+        )
         self.requests = Counter("specpilot_requests", "Completed generations", registry=r)
         self.cancelled = Counter(
             "specpilot_cancelled_requests", "Generations cancelled by the client", registry=r
         )
+        self.cancel_delay_steps = Histogram(
+            "specpilot_cancel_delay_steps",
+            "Engine steps that ran between a client going away and its request being dropped "
+            "(at most 1: the step running when it went)",
+            buckets=(0, 1, 2, 4, 8, 16, 64),
+            registry=r,
+        )
         self.failed = Counter(
-            "specpilot_failed_requests", "Generations ended by an engine error", registry=r
+            "specpilot_failed_requests",
+            "Generations ended by an error (a failed step, or shutdown before they ran)",
+            registry=r,
         )
         self.tokens = Counter("specpilot_generated_tokens", "Committed tokens served", registry=r)
         self.seconds = Counter(
@@ -27,6 +46,20 @@ class ServerMetrics:
         self.cycles = Counter("specpilot_verify_cycles", "Target verify forwards", registry=r)
         self.committed = Counter(
             "specpilot_committed_tokens", "Tokens committed by verify forwards", registry=r
+        )
+        self.step_seconds = Counter(
+            "specpilot_engine_step_seconds", "Engine thread time inside scheduler steps", registry=r
+        )
+        self.host_seconds = Counter(
+            "specpilot_engine_host_seconds",
+            "Engine thread time between steps while it has work (admission, streaming, audits)",
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "specpilot_step_rows",
+            "Requests decoding in a scheduler step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
         )
         self.queue_depth = Gauge(
             "specpilot_queue_depth", "Requests waiting for the engine", registry=r
@@ -75,6 +108,6 @@ class ServerMetrics:
             self.tokens_per_second.set(self.tokens._value.get() / secs)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def value(self, name: str) -> Any:
-        """A sample's current value by its exposed name (tests and /health)."""
-        return self.registry.get_sample_value(name)
+    def value(self, name: str, **labels: str) -> Any:
+        """A sample's current value by its exposed name and labels (tests and /health)."""
+        return self.registry.get_sample_value(name, labels)

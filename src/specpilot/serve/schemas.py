@@ -57,7 +57,9 @@ class _Common(BaseModel):
     def stops(self) -> list[str]:
         if self.stop is None:
             return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        if isinstance(self.stop, str):
+            return [self.stop] if self.stop else []
+        return [s for s in self.stop if s]
 
 
 class CompletionRequest(_Common):

@@ -31,6 +31,7 @@ import torch
 from specpilot.engine import Request, RequestResult, Scheduler
 from specpilot.forcing import force_tokens
 from specpilot.loading import TextTokenizer
+from specpilot.serve.detok import IncrementalDetokenizer
 from specpilot.serve.metrics import ServerMetrics
 
 
@@ -41,8 +42,13 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
-    """Receives ``("delta", text)``, then ``("done", Outcome)`` or ``("error", message)``."""
+    """Receives ``("delta", text)`` (streamed jobs only), then ``("done", Outcome)`` or
+    ``("error", message)``."""
+    stream: bool = True
+    """Send the text as it comes (``delta``); a plain request only needs the outcome."""
     cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_step: int | None = None
+    """The worker's step count when the client went away (set by ``EngineWorker.cancel``)."""
 
     def send(self, item: tuple[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -58,47 +64,50 @@ class Outcome:
 
 @dataclass(slots=True)
 class _Stream:
-    """A running job's text so far: decodes committed tokens, cuts at stop strings, sends deltas."""
+    """A running job's text so far: decodes committed tokens incrementally (a few per step,
+    ``serve/detok.py``), cuts at stop strings, sends what is safe to show."""
 
     job: Job
     request: Request
-    tokenizer: TextTokenizer
+    detok: IncrementalDetokenizer
     started: float = field(default_factory=time.perf_counter)
-    tokens: list[int] = field(default_factory=list)
-    sent: str = ""
+    shown: list[str] = field(default_factory=list)
+    """The text sent (or, for a plain job, kept for the outcome), in pieces."""
+    pending: str = ""
+    """Decoded text held back: it may be the start of a stop string."""
     stopped_by_string: bool = False
 
-    def _text(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.job.stops:
-            cut = text.find(s)
-            if cut >= 0:
-                text, self.stopped_by_string = text[:cut], True
-        return text
+    def _add(self, new: str, final: bool) -> None:
+        """Show ``new`` up to a stop string; hold back a tail that could begin one."""
+        if self.stopped_by_string or not (new or final):
+            return
+        text, stops = self.pending + new, self.job.stops
+        # a stop string ends in ``new``: ``pending`` holds the longest stop string's length
+        # minus one of what came before, so it starts inside ``text``
+        cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if cuts:
+            text, self.stopped_by_string, final = text[: min(cuts)], True, True
+        keep = 0 if final or not stops else max(len(s) for s in stops) - 1
+        self._show(text[: len(text) - keep])
+        self.pending = text[len(text) - keep :]
 
-    def _send_up_to(self, safe: str) -> None:
-        if len(safe) > len(self.sent) and safe.startswith(self.sent):
-            self.job.send(("delta", safe[len(self.sent) :]))
-            self.sent = safe
+    def _show(self, text: str) -> None:
+        if text:
+            self.shown.append(text)
+            if self.job.stream:
+                self.job.send(("delta", text))
 
     def feed(self, tokens: list[int]) -> bool:
         """Stream what is safe to show; True when a stop string appeared (the job is done)."""
-        self.tokens.extend(tokens)
-        text = self._text()
-        # hold back a possibly incomplete multi-byte character or a partial stop string
-        safe = text if self.stopped_by_string else text.rstrip("\ufffd")
-        if self.job.stops and not self.stopped_by_string:
-            longest = max(len(s) for s in self.job.stops)
-            safe = safe[: max(len(self.sent), len(safe) - longest + 1)]
-        self._send_up_to(safe)
+        self._add(self.detok.push(tokens), final=False)
         return self.stopped_by_string
 
     def finish(self, stop_reason: str) -> Outcome:
-        text = self._text()
-        self._send_up_to(text)
+        self._add(self.detok.flush(), final=True)
         reason = "stop" if stop_reason == "eos" or self.stopped_by_string else "length"
         seconds = time.perf_counter() - self.started
-        return Outcome(text=text, tokens=list(self.tokens), finish_reason=reason, seconds=seconds)
+        tokens = list(self.detok.ids)
+        return Outcome("".join(self.shown), tokens, finish_reason=reason, seconds=seconds)
 
 
 class EngineWorker:
@@ -127,6 +136,8 @@ class EngineWorker:
         self._live: dict[str, _Stream] = {}
         self.restarts = 0
         """Times a failed step made the worker re-open the engine's rows."""
+        self.steps = 0
+        """Scheduler steps run (written by the engine thread only)."""
 
     @property
     def max_context(self) -> int:
@@ -140,7 +151,15 @@ class EngineWorker:
         if self._stopping.is_set():
             raise RuntimeError("the server is shutting down")
         self._jobs.put(job)
+        self.metrics.submitted.inc()
         self.metrics.queue_depth.set(self._jobs.qsize())
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: its row is freed before the next step starts (any thread).
+        A job that already finished is left as it is."""
+        if not job.cancelled.is_set():
+            job.cancel_step = self.steps
+            job.cancelled.set()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel queued ones, let the running ones finish (or time out)."""
@@ -152,6 +171,7 @@ class EngineWorker:
                 break
             if isinstance(item, Job):
                 item.send(("error", "the server is shutting down"))
+                self.metrics.failed.inc()
         self._jobs.put(None)
         self._thread.join(timeout)
 
@@ -174,27 +194,42 @@ class EngineWorker:
             torch.cuda.set_device(device)
         sched = self.scheduler
         stopping = False
+        busy_since: float | None = None  # engine-thread clock while it has work
         while True:
             if stopping and not sched.has_work:
                 return
-            stopping = self._take_jobs(sched, block=not (sched.has_work or stopping)) or stopping
+            block = not (sched.has_work or stopping)
+            if block and busy_since is not None:
+                self.metrics.host_seconds.inc(time.perf_counter() - busy_since)
+                busy_since = None
+            stopping = self._take_jobs(sched, block=block) or stopping
+            if busy_since is None:
+                busy_since = time.perf_counter()
             if stopping:  # shutdown: queued requests are cancelled, running ones finish
                 for rid in sched.waiting_ids:
                     sched.cancel(rid)
                     self._live.pop(rid).job.send(("error", "the server is shutting down"))
+                    self.metrics.failed.inc()
             for rid, stream in list(self._live.items()):
                 if stream.job.cancelled.is_set():
                     sched.cancel(rid)
                     del self._live[rid]
-                    self.metrics.cancelled.inc()
+                    self._count_cancel(stream.job)
             self.metrics.queue_depth.set(self._jobs.qsize() + sched.waiting)
             if not sched.has_work:
                 continue
+            t0 = time.perf_counter()
+            self.metrics.step_rows.observe(sched.running)
             try:
                 report = sched.step()
             except Exception as e:  # the running requests fail; the worker lives on
                 sched = self._recover(sched, f"generation failed: {e}")
                 continue
+            t1 = time.perf_counter()
+            self.metrics.step_seconds.inc(t1 - t0)
+            self.metrics.host_seconds.inc(t0 - busy_since)
+            busy_since = t1
+            self.steps += 1
             for rid, tokens in report.committed:
                 live = self._live.get(rid)  # gone if a stop string ended it earlier this step
                 if live is not None and live.feed(tokens):  # a stop string: no more tokens
@@ -230,7 +265,8 @@ class EngineWorker:
             if not isinstance(item, Job):
                 item()  # a background audit
                 continue
-            if item.cancelled.is_set():
+            if item.cancelled.is_set():  # gone while queued
+                self._count_cancel(item)
                 continue
             rid = f"job-{next(self._ids)}"
             stop = frozenset(self.eos_ids)
@@ -239,8 +275,14 @@ class EngineWorker:
                 sched.submit(request)
             except Exception as e:  # check_fits: the app checks first, so this is rare
                 item.send(("error", f"generation failed: {e}"))
+                self.metrics.failed.inc()
                 continue
-            self._live[rid] = _Stream(item, request, self.tokenizer)
+            self._live[rid] = _Stream(item, request, IncrementalDetokenizer(self.tokenizer))
+
+    def _count_cancel(self, job: Job) -> None:
+        self.metrics.cancelled.inc()
+        if job.cancel_step is not None:
+            self.metrics.cancel_delay_steps.observe(max(0, self.steps - job.cancel_step))
 
     def _done(self, result: RequestResult) -> None:
         stream = self._live.pop(result.id)

@@ -32,6 +32,7 @@ from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.runtime import LoadedModel, load_model, parse_device, parse_dtype
+from specpilot.tune.space import describe
 
 ANOMALY_SLACK = 0.05
 """Margin over the cost-model bound (AR's own per-step overhead) before a speedup is suspect."""
@@ -130,6 +131,8 @@ class Evaluator:
         self.max_context = max_context
         self.graphs = graphs
         self.rounds = rounds
+        self.progress: Callable[[str], None] | None = None
+        """Told of each candidate built and each round measured, as it happens."""
         self.stock: LoadedModel = load_model(dep.target, self.dtype, self.device, max_context)
         self.prompts = [list(p) for p in prompts]
         self.max_new_tokens = max_new_tokens
@@ -209,6 +212,7 @@ class Evaluator:
                 engine = self.make_candidate(c)
                 self.warm(engine)
                 cands.append(_Candidate(c, engine, time.perf_counter() - t0))
+                self._say(f"built and warmed up {describe(c)} ({time.perf_counter() - t0:.0f}s)")
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
                 cands.append(_Candidate(c, None, time.perf_counter() - t0, msg))
@@ -217,7 +221,8 @@ class Evaluator:
         for name, cd in live.items():
             arms[name] = functools.partial(self.workload, cd.engine)
         t0 = time.perf_counter()
-        m = interleave(arms, self.rounds, warmup=0) if live else Measurement()
+        on_round = functools.partial(self._round_done, list(live))
+        m = interleave(arms, self.rounds, warmup=0, on_round=on_round) if live else Measurement()
         share = (time.perf_counter() - t0) / max(len(live), 1)  # the AR rounds are shared
         ar_step = self._ar_step() if live else 0.0
         out = []
@@ -227,6 +232,15 @@ class Evaluator:
                 continue
             out.append(self._judge(cd, f"c{i}", m, share, ar_step))
         return out
+
+    def _say(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(message)
+
+    def _round_done(self, names: list[str], r: int, got: dict[str, Sample]) -> None:
+        ar = got["ar"].tok_s
+        ratios = ", ".join(f"{got[n].tok_s / ar:.2f}x" if ar > 0 else "?" for n in names)
+        self._say(f"timing round {r + 1}/{self.rounds}: AR {ar:.1f} tok/s; candidates {ratios}")
 
     def _judge(
         self, cd: _Candidate, name: str, m: Measurement, share: float, ar_step: float

@@ -7,7 +7,7 @@ or ``workers`` CPU actors on a CPU-only cluster.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from specpilot.engine.config import EngineConfig
@@ -54,8 +54,10 @@ class LocalExecutor:
         graphs: bool | None = None,
         rounds: int = 3,
         width: int = 3,
+        progress: Callable[[str], None] | None = None,
     ) -> None:
         self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream, graphs, rounds)
+        self.evaluator.progress = progress
         self.ar_tok_s = self.evaluator.ar_tok_s
         self.width = width
         """Candidates evaluated at once (the loop checks its budget between such chunks)."""

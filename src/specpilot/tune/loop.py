@@ -11,9 +11,9 @@ round r: rank the gaps → the explorers of the directions that attack the bigge
 Every speedup is a median of per-round ratios over AR measured interleaved in one process
 (``tune/evaluate.py``); a candidate within the noise of the best is not a winner.
 Stop at the round or time budget, or after a round that improves nothing. The time budget is a
-wall-clock deadline checked before every candidate: a candidate is started only if the time left
-covers the slowest trial so far, so the last round is cut short cleanly (its finished candidates
-are still integrated) instead of overrunning.
+wall-clock deadline checked before every chunk of candidates (they share AR rounds): a chunk is
+started only if the time left covers the slowest chunk so far, so the last round is cut short
+cleanly (its finished candidates are still integrated) instead of overrunning.
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ class TuneLoop:
             d.name: make_explorer(d, settings.seed, settings.explorer) for d in self.directions
         }
         self.t0 = time.perf_counter()
-        self.slowest_trial = 0.0
+        self.slowest_chunk = 0.0
+        """Seconds of the slowest ``executor.map`` call so far (a chunk shares its AR rounds, so
+        it costs about the sum of its trials); the next one starts only if it would fit."""
         self.quarantined: set[str] = set()
         self.deployment = store.add_deployment(fingerprint, label)
         previous = store.latest_run(self.deployment) if resume else None
@@ -137,8 +139,8 @@ class TuneLoop:
         return time.perf_counter() - self.t0
 
     def _time_left(self) -> bool:
-        """True if one more trial (as slow as the slowest so far) fits in the budget."""
-        return self.elapsed() + self.slowest_trial <= self.settings.budget_seconds
+        """True if one more chunk (as slow as the slowest so far) fits in the budget."""
+        return self.elapsed() + self.slowest_chunk <= self.settings.budget_seconds
 
     def _evaluate(
         self, round_: int, explorer: str, configs: Sequence[EngineConfig], force: bool = False
@@ -154,9 +156,10 @@ class TuneLoop:
             if not force and not self._time_left():
                 self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
                 break
+            t0 = time.perf_counter()
             for r in self.executor.map(todo[i : i + width]):
                 results[config_hash(r.config)] = r
-                self.slowest_trial = max(self.slowest_trial, r.wall_seconds)
+            self.slowest_chunk = max(self.slowest_chunk, time.perf_counter() - t0)
         out = []
         for c in configs:
             h = config_hash(c)
@@ -346,11 +349,12 @@ class TuneLoop:
             self.log(f"  [confirm] no time left to confirm {describe(cand.config)}: not taken")
             return None
         best = outcome.best
+        t0 = time.perf_counter()
         got = self.executor.map([best.config, cand.config])
+        self.slowest_chunk = max(self.slowest_chunk, time.perf_counter() - t0)
         b, c = got[0], got[1]
         for r in (b, c):
             outcome.trials.append(Trial(round_, "confirm", r, elapsed=self.elapsed()))
-            self.slowest_trial = max(self.slowest_trial, r.wall_seconds)
         pair = Ratio([x / y for x, y in zip(c.rounds, b.rounds, strict=True) if y > 0])
         ok = (
             b.eligible

@@ -8,7 +8,7 @@ from typing import Any
 
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.loop import TuneOutcome
-from specpilot.tune.space import describe
+from specpilot.tune.space import config_hash, describe
 
 
 def break_even_tokens(
@@ -32,6 +32,16 @@ def per_token_phases(r: TrialResult) -> dict[str, float]:
     if tokens <= 0 or not ph:
         return {}
     return {k: 1e3 * v / tokens for k, v in ph.items()}
+
+
+def measured_text(outcome: TuneOutcome) -> str:
+    """How many configurations this run measured: the trials ``memory list`` counts for it (a
+    configuration listed under several directions is measured once; a head-to-head
+    confirmation re-measures one already counted)."""
+    fresh = [t for t in outcome.trials if t.result.wall_seconds > 0]
+    configs = len({config_hash(t.result.config) for t in fresh})
+    again = len(fresh) - configs
+    return f"{configs} trials" + (f" (+{again} re-measured head to head)" if again else "")
 
 
 def verdict_lines(outcome: TuneOutcome) -> list[str]:
@@ -99,7 +109,7 @@ def write_report(
         "whose speedup the cost model cannot explain (an anomaly), is never integrated.",
         "",
         "## Price of the search",
-        f"- {price:.1f} {unit}; {outcome.wall_seconds:.1f} s wall time; {len(outcome.trials)} trials "
+        f"- {price:.1f} {unit}; {outcome.wall_seconds:.1f} s wall time; {measured_text(outcome)} "
         f"in {outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing; "
         f"{len(anomalies)} anomalies.",
         "- Break-even: "

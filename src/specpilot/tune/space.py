@@ -12,8 +12,10 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine.config import DEFAULT_SEGMENT_TOKENS, EngineConfig
 from specpilot.mechanisms import MECHANISMS, Knob
 
@@ -57,6 +59,18 @@ def _with_early_exit(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
 def _with_segment(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     seg = int(p["segment_tokens"])
     return dataclasses.replace(base, segment_tokens=None if seg == DEFAULT_SEGMENT_TOKENS else seg)
+
+
+def _with_gate(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    """The speculation gate's knobs (``engine/gate.py``); ``enabled`` off drafts every cycle."""
+    if not p["enabled"]:
+        return dataclasses.replace(base, gate={"enabled": False})
+    gate = {"margin": float(p["margin"]), "off_tokens": int(p["off_tokens"])}
+    return dataclasses.replace(base, gate=gate)
+
+
+GATED_DRAFTERS = ("ngram", "draft-model")
+"""Drafters the gate can pause (they catch up when drafting resumes)."""
 
 
 def skipped_mechanisms(base: EngineConfig, device: str, arch: str) -> list[str]:
@@ -115,11 +129,16 @@ def directions_for(
     out: list[Direction] = []
     simulated = dep.simulate_acceptance is not None
     if dep.drafter != "none" and not simulated:
+        high = 16
+        if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model:  # a DFlash block's length
+            from specpilot.loading.dflash import block_size_of
+
+            high = min(high, block_size_of(Path(dep.draft_model)) - 1)
         out.append(
             Direction(
                 "draft-length",
                 ("draft", "verify"),
-                (Knob("k", base.k or 4, low=1, high=16),),
+                (Knob("k", min(base.k or 4, high), low=1, high=high),),
                 _with_k,
             )
         )
@@ -150,6 +169,20 @@ def directions_for(
                 _with_early_exit,
             )
         )
+    if dep.drafter in GATED_DRAFTERS and not simulated:
+        g = base.gate_settings()
+        out.append(
+            Direction(
+                "spec-gate",
+                ("draft", "verify"),
+                (
+                    Knob("enabled", g.enabled, choices=(True, False)),
+                    Knob("margin", g.margin, low=0.0, high=0.3),
+                    Knob("off_tokens", g.off_tokens, choices=tuple(sorted({8, 16, 32, 64}))),
+                ),
+                _with_gate,
+            )
+        )
     if dep.mode == "batched" and dep.drafter != "none":
         seg = base.segment_tokens or DEFAULT_SEGMENT_TOKENS
         out.append(
@@ -172,6 +205,11 @@ def describe(cfg: EngineConfig) -> str:
     parts += [f"{k}={v}" for k, v in sorted(cfg.drafter_knobs.items())]
     if cfg.segment_tokens is not None:
         parts.append(f"segment_tokens={cfg.segment_tokens}")
+    if cfg.gate is not None:
+        g = cfg.gate_settings()
+        parts.append(
+            "gate=off" if not g.enabled else f"gate(margin={g.margin:g},off={g.off_tokens})"
+        )
     parts += [
         f"+{n}" + (json.dumps(v, separators=(",", ":")) if v else "")
         for n, v in sorted(cfg.mechanisms.items())
