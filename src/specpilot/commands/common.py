@@ -218,16 +218,15 @@ def _sim_k(profile: str, k: int | None) -> int:
 
 def check_args(args: argparse.Namespace, module: ModuleType) -> list[str]:
     """Every check of ``args`` before anything is loaded (``commands/checks.py``): the shared
-    options, the deployment (or the engine config a command reads), then ``module.check``."""
+    options, the command's own (``module.check``), then the deployment (or the engine config a
+    command reads), whose paths and models are checked last."""
     check_shared(args)
-    notes: list[str] = []
+    own: Check | None = getattr(module, "check", None)
+    notes = [] if own is None else own(args)
     if hasattr(args, "drafter"):  # the deployment options of add_engine_args
         notes += check_deployment(args)
     elif isinstance(getattr(args, "engine", None), Path):  # compare: configs, no flags
         notes += check_engine_config(EngineConfig.load(args.engine), str(args.engine))
-    own: Check | None = getattr(module, "check", None)
-    if own is not None:
-        notes += own(args)
     return notes
 
 

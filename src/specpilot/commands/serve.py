@@ -87,6 +87,7 @@ def check(args: argparse.Namespace) -> list[str]:
     between(args, "audit_rate", 0.0, 1.0)
     at_least(args, "max_concurrency", 1)
     at_least(args, "segment_tokens", 1)
+    at_least(args, "max_body_bytes", 1)
     return []
 
 
