@@ -232,6 +232,41 @@ def test_hf_errors(tmp_path: Path) -> None:
     assert_one_sentence(e, "safetensors")
 
 
+@pytest.mark.parametrize(
+    ("edit", "fragments"),
+    [
+        ({"num_attention_heads": None}, ("is missing the field num_attention_heads",)),
+        ({"vocab_size": None}, ("is missing the field vocab_size",)),
+        ({"num_hidden_layers": None}, ("is missing the field num_hidden_layers",)),
+        ({"hidden_size": "wide"}, ("field hidden_size should be an integer", "'wide'")),
+        ({"rms_norm_eps": "small"}, ("field rms_norm_eps should be a number",)),
+        ({"eos_token_id": [2, "end"]}, ("field eos_token_id should be an integer",)),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            ("is missing the field rope_scaling.low_freq_factor",),
+        ),
+        ({"rope_scaling": "llama3"}, ("field rope_scaling should be an object",)),
+    ],
+)
+def test_hf_config_errors_name_the_field(
+    tmp_path: Path, edit: dict[str, Any], fragments: tuple[str, ...]
+) -> None:
+    """A bad config.json names its file and the field, and says whether it is missing or bad
+    (it used to say "missing or has a bad field: 'num_attention_heads'")."""
+    cfg_dict = tiny_hf_config()
+    for key, value in edit.items():
+        if value is None:
+            del cfg_dict[key]
+        else:
+            cfg_dict[key] = value
+    root = tmp_path / "bad"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(cfg_dict))
+    with pytest.raises(CheckpointError) as e:
+        load_hf_dir(root)
+    assert_one_sentence(e, str(root / "config.json"), *fragments)
+
+
 def test_hf_truncated_and_missing(tmp_path: Path) -> None:
     cfg_dict = tiny_hf_config()
     cfg = ModelConfig.from_hf(cfg_dict)
@@ -395,7 +430,7 @@ def test_fetch_wheel_member_extracts_and_checks(
 ) -> None:
     state = {"bad_hash": False, "calls": 0}
 
-    def fake_download(package: str, version: str, into: Path) -> Path:
+    def fake_download(package: str, version: str, into: Path, progress: object = None) -> Path:
         state["calls"] += 1
         members = {"pkg/data.bin": b"payload" * 1000}
         return make_wheel(into / "pkg-1.0.whl", members, bad_hash=bool(state["bad_hash"]))
@@ -418,17 +453,80 @@ def test_fetch_wheel_member_extracts_and_checks(
     assert list((cache / "z").iterdir()) == []
 
 
-def test_pip_failure_is_fetch_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_run(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
-        return subprocess.CompletedProcess(
-            cmd, 1, "", "ERROR: No matching distribution found for x==9\n"
-        )
+class FakePip:
+    """Stands in for ``subprocess.Popen`` of ``pip download``: grows a partial download under
+    the ``TMPDIR`` it is given for ``polls`` polls, then writes the wheel (or fails)."""
 
-    monkeypatch.setattr(fetch_mod.subprocess, "run", fake_run)
+    def __init__(self, polls: int, fail: str | None = None) -> None:
+        self.polls, self.fail = polls, fail
+
+    def __call__(self, cmd: list[str], stdout: Any, env: dict[str, str], **kw: Any) -> FakePip:
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        self.cmd, self.log, self.tmp = cmd, stdout, Path(env["TMPDIR"])
+        self.dest = Path(cmd[cmd.index("-d") + 1])
+        self.waits = 0
+        return self
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waits += 1
+        if self.waits <= self.polls:
+            with (self.tmp / "partial-download").open("ab") as f:
+                f.write(b"x" * 1_000_000)
+            raise subprocess.TimeoutExpired(self.cmd, timeout or 0)
+        if self.fail:
+            self.log.write(f"Collecting x\n{self.fail}\n")
+            return 1
+        make_wheel(self.dest / "pkg-1.0-py3-none-any.whl", {"pkg/data.bin": b"payload"})
+        return 0
+
+    def kill(self) -> None:
+        pass
+
+
+class Details:
+    """A Progress that keeps the details it is shown."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = []
+        self.details: list[str] = []
+
+    def phase(self, text: str) -> None:
+        self.phases.append(text)
+
+    def timed_phase(self, text: str) -> None:
+        self.phase(text)
+
+    def detail(self, text: str) -> None:
+        self.details.append(text)
+
+    def note(self, text: str) -> None:
+        pass
+
+
+def test_pip_failure_is_fetch_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        fetch_mod.subprocess, "Popen", FakePip(0, "ERROR: No matching distribution found for x==9")
+    )
     with pytest.raises(FetchError) as e:
         fetch_wheel_member("x", "9", "x/y", tmp_path / "y")
     assert_one_sentence(e, "x==9", "No matching distribution")
+
+
+def test_download_shows_the_bytes_fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip shows no progress bar when captured: the bytes of its partial download are read off
+    the temporary folder it was given and shown as they grow."""
+    monkeypatch.setattr(fetch_mod.subprocess, "Popen", FakePip(3))
+    progress = Details()
+    dest = fetch_wheel_member("pkg", "1.0", "pkg/data.bin", tmp_path / "out" / "data.bin", progress)
+    assert dest.read_bytes() == b"payload"
+    assert progress.phases == ["downloading pkg==1.0 from PyPI"]
+    assert [d.split(" (")[0] for d in progress.details] == ["1.0 MB", "2.0 MB", "3.0 MB"]
+    assert all(d.endswith("MB/s)") for d in progress.details)
+    # a wheel of known size gets a bar
+    monkeypatch.setitem(fetch_mod.WHEEL_BYTES, ("pkg", "1.0"), 4_000_000)
+    progress = Details()
+    fetch_wheel_member("pkg", "1.0", "pkg/data.bin", tmp_path / "out2" / "data.bin", progress)
+    assert progress.details[1].startswith("[##########..........]  50% 2.0 MB of 4.0 MB (")
 
 
 def test_models_registry_and_resolve(
@@ -440,7 +538,7 @@ def test_models_registry_and_resolve(
 
     fetched: list[str] = []
 
-    def fake_fetch(pkg: str, ver: str, mem: str, dest: Path) -> Path:
+    def fake_fetch(pkg: str, ver: str, mem: str, dest: Path, progress: object = None) -> Path:
         fetched.append(pkg)
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(b"GGUF")

@@ -19,6 +19,7 @@ from specpilot.commands import (
     tune,
     verify,
 )
+from specpilot.commands.common import check_args
 from specpilot.errors import SpecPilotError
 
 COMMANDS = {
@@ -51,8 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    module = COMMANDS[args.command]
     try:
-        return COMMANDS[args.command].run(args)
+        for note in check_args(args, module):  # every argument, before anything is loaded
+            print(f"specpilot: note: {note}", file=sys.stderr, flush=True)
+        return module.run(args)
     except SpecPilotError as e:
         print(f"specpilot: error: {e}", file=sys.stderr)
         return 2

@@ -104,48 +104,90 @@ class ModelConfig:
         return cls(**d)
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face ``config.json`` dictionary."""
+    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dictionary; a missing or bad field is named
+        in the error (``where``: the file, for the message)."""
         model_type = str(cfg.get("model_type", "")).lower()
         if model_type not in SUPPORTED_ARCHS:
             raise CheckpointError(
-                f"config.json has model_type '{model_type}'; SpecPilot runs {', '.join(SUPPORTED_ARCHS)}."
+                f"{where} has model_type '{model_type}'; SpecPilot runs {', '.join(SUPPORTED_ARCHS)}."
             )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
-            scaling = None
-            if rs and str(rs.get("rope_type", rs.get("type", ""))) == "llama3":
-                scaling = RopeScaling(
-                    factor=float(rs["factor"]),
-                    low_freq_factor=float(rs["low_freq_factor"]),
-                    high_freq_factor=float(rs["high_freq_factor"]),
-                    original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-                )
-            theta = cfg.get("rope_theta")
-            if theta is None and isinstance(cfg.get("rope_parameters"), dict):
-                theta = cfg["rope_parameters"].get("rope_theta")
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
-                arch=model_type,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta if theta is not None else 10000.0),
-                rope_scaling=scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type == "qwen3",
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
+        fields = _HFFields(cfg, where, model_type)
+        hidden = fields.integer("hidden_size")
+        heads = fields.integer("num_attention_heads")
+        rs = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or None)
+        scaling = None
+        if rs is not None and not isinstance(rs, dict):
+            raise CheckpointError(f"{where} field rope_scaling should be an object, got {rs!r}.")
+        if rs and str(rs.get("rope_type", rs.get("type", ""))) == "llama3":
+            sub = _HFFields(rs, where, model_type, parent="rope_scaling")
+            scaling = RopeScaling(
+                factor=sub.number("factor"),
+                low_freq_factor=sub.number("low_freq_factor"),
+                high_freq_factor=sub.number("high_freq_factor"),
+                original_max_position_embeddings=sub.integer("original_max_position_embeddings"),
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"config.json is missing or has a bad field: {e}.") from None
+        theta: Any = cfg.get("rope_theta")
+        if theta is None and isinstance(cfg.get("rope_parameters"), dict):
+            theta = cfg["rope_parameters"].get("rope_theta")
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, list):
+            eos_ids = tuple(fields.integer("eos_token_id", v) for v in eos)
+        else:
+            eos_ids = () if eos is None else (fields.integer("eos_token_id"),)
+        bos = cfg.get("bos_token_id")
+        return cls(
+            arch=model_type,
+            vocab_size=fields.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=fields.integer("intermediate_size"),
+            num_layers=fields.integer("num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=fields.integer(
+                "num_key_value_heads", cfg.get("num_key_value_heads") or heads
+            ),
+            head_dim=fields.integer("head_dim", cfg.get("head_dim") or hidden // max(heads, 1)),
+            rms_norm_eps=fields.number("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=fields.number("rope_theta", 10000.0 if theta is None else theta),
+            rope_scaling=scaling,
+            max_position_embeddings=fields.integer(
+                "max_position_embeddings", cfg.get("max_position_embeddings", 4096)
+            ),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=None if bos is None else fields.integer("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+_MISSING = object()
+
+
+class _HFFields:
+    """Typed reads of one config.json object; errors name the field and say what is wrong."""
+
+    def __init__(self, d: dict[str, Any], where: str, arch: str, parent: str = "") -> None:
+        self.d, self.where, self.arch, self.parent = d, where, arch, parent
+
+    def _raw(self, key: str, value: Any) -> Any:
+        name = f"{self.parent}.{key}" if self.parent else key
+        if value is _MISSING:
+            value = self.d.get(key, _MISSING)
+        if value is _MISSING or value is None:
+            raise CheckpointError(
+                f"{self.where} is missing the field {name}, which a {self.arch} model needs."
+            )
+        return name, value
+
+    def integer(self, key: str, value: Any = _MISSING) -> int:
+        name, value = self._raw(key, value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+            raise CheckpointError(f"{self.where} field {name} should be an integer, got {value!r}.")
+        return int(value)
+
+    def number(self, key: str, value: Any = _MISSING) -> float:
+        name, value = self._raw(key, value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise CheckpointError(f"{self.where} field {name} should be a number, got {value!r}.")
+        return float(value)

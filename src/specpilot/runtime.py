@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from specpilot.config import ModelConfig
 from specpilot.drafters import CHECKPOINT_DRAFTERS, DRAFTERS, Drafter, make_drafter
-from specpilot.errors import IncompatibleDrafterError, SpecPilotError
-from specpilot.loading import TextTokenizer, load_checkpoint, load_tokenizer, resolve_model
+from specpilot.errors import CheckpointError, IncompatibleDrafterError, SpecPilotError
+from specpilot.loading import (
+    TextTokenizer,
+    load_checkpoint,
+    load_gguf,
+    load_tokenizer,
+    resolve_model,
+)
+from specpilot.loading.converted import load_with_converted_copy
 from specpilot.models.transformer import Transformer
+from specpilot.progress import QUIET, Progress
 
 DTYPES = {
     "fp32": torch.float32,
@@ -36,14 +48,41 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_device(name: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` as a device this machine has; one sentence if not."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
         raise SpecPilotError(
-            "--device cuda was asked for but no CUDA GPU is visible; use --device cpu."
+            f"Unknown device '{name}'; choose cpu, cuda, cuda:N or auto."
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise SpecPilotError(
+            f"SpecPilot runs on the CPU or a CUDA GPU, not on '{name}'; choose cpu, cuda, cuda:N "
+            "or auto."
         )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SpecPilotError(
+                "--device cuda was asked for but no CUDA GPU is visible; use --device cpu."
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SpecPilotError(
+                f"--device {name} names GPU {dev.index}, but this machine shows {count} "
+                f"(cuda:0 to cuda:{count - 1})."
+            )
     return dev
+
+
+def check_dtype_on_device(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a dtype the device cannot compute in (bf16 on a GPU older than Ampere)."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise SpecPilotError(
+            f"{torch.cuda.get_device_name(device)} does not compute in bf16; use --dtype fp16 or "
+            "fp32."
+        )
 
 
 @dataclass(slots=True)
@@ -59,18 +98,71 @@ def load_model(
     device: torch.device | str = "cpu",
     max_context: int = DEFAULT_MAX_CONTEXT,
     with_tokenizer: bool = True,
+    progress: Progress = QUIET,
 ) -> LoadedModel:
-    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`."""
-    cfg, tensors = load_checkpoint(spec)
+    """Load a known model name, a HF directory or a GGUF file into a :class:`Transformer`.
+
+    A GGUF is read and dequantized once: its network's float32 weights are kept in the cache
+    (``loading/converted.py``) and later loads map them (fp32 on the CPU: without a copy)."""
+    path = resolve_model(spec, progress)
+    cpu = torch.device(device).type == "cpu"
+    if path.is_file():
+
+        def convert(source: Path, progress: Progress) -> tuple[ModelConfig, dict[str, Tensor]]:
+            return _gguf_network_weights(source, progress, gemv=cpu)
+
+        # A copy made for the CPU holds its [in, out] copies too, and serves a GPU as well.
+        cfg, weights = load_with_converted_copy(
+            path,
+            convert,
+            progress,
+            NETWORK_LAYOUT_CPU if cpu else NETWORK_LAYOUT,
+            _check_network_weights,
+            also_accept=() if cpu else (NETWORK_LAYOUT_CPU,),
+        )
+    else:
+        cfg, tensors = load_checkpoint(path, progress)
+    progress.phase(f"placing the weights ({dtype_name(dtype)}, {device})")
     model = Transformer(
         cfg, dtype=dtype, device=device, max_positions=min(cfg.max_position_embeddings, max_context)
     )
-    model.load_hf_state_dict(tensors)
-    del tensors
-    if model.device.type == "cpu":
+    if path.is_file():
+        model.adopt_weights(weights)
+        del weights
+    else:
+        model.load_hf_state_dict(tensors)
+        del tensors
+    if cpu and not model.has_gemv_copies:
         model.add_gemv_copies()
-    tokenizer = load_tokenizer(resolve_model(spec)) if with_tokenizer else None
+    tokenizer = load_tokenizer(path, progress) if with_tokenizer else None
     return LoadedModel(spec=spec, model=model, tokenizer=tokenizer)
+
+
+NETWORK_LAYOUT = "transformer-weights-1"
+"""What a converted copy holds: ``Transformer.weights`` (change it when their names change)."""
+NETWORK_LAYOUT_CPU = NETWORK_LAYOUT + "+gemv"
+"""The same with the CPU's ``[in, out]`` copies of its one-row products."""
+
+
+def _gguf_network_weights(
+    path: Path, progress: Progress, gemv: bool
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """A GGUF's network weights in float32 on the CPU, as ``Transformer.weights`` names them
+    (``gemv``: with the CPU's ``[in, out]`` copies, for a load on the CPU)."""
+    cfg, tensors = load_gguf(path, progress)
+    progress.phase(f"fusing the weights of {path.name}")
+    net = Transformer(cfg, dtype=torch.float32, device="cpu", max_positions=1)
+    net.load_hf_state_dict(tensors)
+    del tensors
+    if gemv:
+        net.add_gemv_copies()
+    return cfg, net.weights()
+
+
+def _check_network_weights(cfg: ModelConfig, weights: Mapping[str, Tensor], where: str) -> None:
+    got = {name: tuple(t.shape) for name, t in weights.items()}
+    if got not in (Transformer.weight_shapes(cfg), Transformer.weight_shapes(cfg, gemv=True)):
+        raise CheckpointError(f"{where} holds weights of another shape than its config implies.")
 
 
 BLOCK_KNOBS = ("layers", "context_layers", "seed")

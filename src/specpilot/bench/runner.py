@@ -14,6 +14,7 @@ from specpilot.bench.records import RunRecord, make_record
 from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.models.transformer import Transformer
+from specpilot.progress import QUIET, Progress
 
 Encoded = Sequence[tuple[str, list[int]]]
 """(prompt id, token ids) of a prompt set."""
@@ -93,13 +94,28 @@ def side_by_side(
     rounds: int = 3,
     deadline: float | None = None,
     on_round: Callable[[int, dict[str, Sample]], None] | None = None,
+    progress: Progress = QUIET,
 ) -> Measurement:
-    """Warm every engine up, then run the prompt set with each, interleaved in ``rounds``."""
+    """Warm every engine up, then run the prompt set with each, interleaved in ``rounds``
+    (each engine's turn in a round reported to ``progress`` as a timed phase, prompt by
+    prompt)."""
+    progress.phase(f"warming up {', '.join(engines)}")
     warm_up(list(engines.values()), encoded, max_new_tokens, eos_ids)
-    arms = {
-        name: (lambda e=e: run_prompts(e, encoded, max_new_tokens, eos_ids))
-        for name, e in engines.items()
-    }
+    turns = dict.fromkeys(engines, 0)
+
+    def turn(name: str, engine: Engine) -> Sample:
+        turns[name] += 1
+        progress.timed_phase(f"round {turns[name]}/{rounds}: {name}, {len(encoded)} prompts")
+        done = 0
+
+        def tick() -> None:
+            nonlocal done
+            done += 1
+            progress.detail(f"prompt {done}/{len(encoded)}")
+
+        return run_prompts(engine, encoded, max_new_tokens, eos_ids, on_prompt=tick)
+
+    arms = {name: (lambda n=name, e=e: turn(n, e)) for name, e in engines.items()}
     return interleave(arms, rounds, warmup=0, deadline=deadline, on_round=on_round)
 
 

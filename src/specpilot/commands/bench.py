@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +12,10 @@ from specpilot.bench.prompts import list_prompt_sets, load_prompt_set
 from specpilot.bench.protocol import Measurement, Sample
 from specpilot.bench.records import append_records, read_records
 from specpilot.bench.runner import force_records, records_of, side_by_side
+from specpilot.commands.checks import at_least, writable_file
 from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.commands.feedback import Feedback
+from specpilot.consoles import result_console
 from specpilot.engine import AcceptanceStats
 from specpilot.errors import SpecPilotError
 from specpilot.forcing import ForcingReport
@@ -85,68 +89,108 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
 
 
-def run(args: argparse.Namespace) -> int:
-    import sys
+def check(args: argparse.Namespace) -> list[str]:
+    """bench's own arguments, before anything is loaded (``commands/checks.py``); fetches the
+    prompt set if it is not cached yet, so that a failed fetch costs no model load."""
+    at_least(args, "rounds", 1)
+    writable_file(args.out, "--out")
+    if args.mode == "batched":
+        from specpilot.commands.bench_batched import parse_concurrency
 
+        if args.resume:
+            raise SpecPilotError("--resume is for --mode single; batched runs are one stream each.")
+        if args.hf:
+            raise SpecPilotError("--hf is for --mode single; HF generate serves no batch.")
+        parse_concurrency(args.concurrency)
+        at_least(args, "requests", 1)
+        at_least(args, "arrival_rate", 0)
+        at_least(args, "segment_tokens", 1)
+    load_prompt_set(args.prompts, args.limit)
+    return []
+
+
+def run(args: argparse.Namespace) -> int:
     if args.mode == "batched":
         from specpilot.commands.bench_batched import run_batched
 
         return run_batched(args)
-    if args.rounds < 1:
-        raise SpecPilotError(f"--rounds must be at least 1, got {args.rounds}.")
-    dep = build_deployment(args)
-    tok = dep.target.tokenizer
-    assert tok is not None
-    prompts = load_prompt_set(args.prompts, args.limit)
-    out = args.out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    done: set[str] = set()
-    if args.resume and out.is_file():
-        done = {r.id for r in read_records(out) if r.engine == "spec"}
-    encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
-    encoded = [(pid, ids) for pid, ids in encoded if pid not in done]
-    if not encoded:
-        print(f"every prompt of {args.prompts} is already in {out}; nothing to run")
-        return 0
-    ar_engine, spec_engine = dep.engines()
-    for _, ids in encoded:
-        spec_engine.check_fits(len(ids), args.max_new_tokens)
-    meta = dep.meta()
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(
-        f"bench {args.prompts}: {len(encoded)} prompts, AR and {dep.drafter_name} on "
-        f"{meta['device']} ({meta['runner']}), warm-up then {args.rounds} interleaved rounds"
-    )
+    # Results as they come (the header, one line per round) go to stdout, flushed, so that
+    # `bench > file` fills the file as it runs; with --json stdout holds only the JSON.
+    results = sys.stderr if args.json else sys.stdout
+    with Feedback() as feedback:
+        dep = build_deployment(args, feedback)
+        tok = dep.target.tokenizer
+        assert tok is not None
+        prompts = load_prompt_set(args.prompts, args.limit)
+        out = args.out or Path("runs") / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        done: set[str] = set()
+        if args.resume and out.is_file():
+            done = {r.id for r in read_records(out) if r.engine == "spec"}
+        encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
+        encoded = [(pid, ids) for pid, ids in encoded if pid not in done]
+        if not encoded:
+            feedback.say(
+                f"every prompt of {args.prompts} is already in {out}; nothing to run", results
+            )
+            return 0
+        ar_engine, spec_engine = dep.engines()
+        for _, ids in encoded:
+            spec_engine.check_fits(len(ids), args.max_new_tokens)
+        meta = dep.meta()
 
-    # With no drafter the speculative engine is plain AR: one arm, nothing to compare it with.
-    spec = "spec" if dep.build.drafter is not None else "ar"
+        def say(line: str) -> None:
+            feedback.say(line, results)
 
-    def on_round(r: int, got: dict[str, Sample]) -> None:
-        a, s_ = got["ar"].tok_s, got[spec].tok_s
-        line = f"  round {r + 1}/{args.rounds}: AR {a:.1f} tok/s"
-        say(line if spec == "ar" else f"{line}, spec {s_:.1f} tok/s ({s_ / a:.2f}x)")
+        say(
+            f"bench {args.prompts}: {len(encoded)} prompts, AR and {dep.drafter_name} on "
+            f"{meta['device']} ({meta['runner']}), warm-up then {args.rounds} interleaved rounds"
+        )
 
-    engines = {"ar": ar_engine} if spec == "ar" else {"ar": ar_engine, "spec": spec_engine}
-    m = side_by_side(
-        engines, encoded, args.max_new_tokens, dep.eos_ids, rounds=args.rounds, on_round=on_round
-    )
-    ar_records, _ = records_of(m.last("ar"), "ar", meta)
-    spec_records, stats = records_of(m.last(spec), "spec", meta, k=spec_engine.k)
-    batch = ar_records if spec == "ar" else [*ar_records, *spec_records]
-    hf_tok_s = None
-    if args.hf:
-        from specpilot.bench.hf_baseline import HFBaseline
+        # With no drafter the speculative engine is plain AR: one arm, nothing to compare it with.
+        spec = "spec" if dep.build.drafter is not None else "ar"
 
-        say("HF transformers generate (one run, not interleaved) ...")
-        hf = HFBaseline(args.target, dep.dtype, dep.device)
-        hf.generate(encoded[0][1][-16:], 8, dep.eos_ids)  # warm-up
-        hf_records = [
-            hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, meta) for pid, ids in encoded
-        ]
-        hf_tok_s = sum(len(r.tokens) for r in hf_records) / sum(r.seconds for r in hf_records)
-        batch += hf_records
-    append_records(out, batch)
-    say(f"token forcing {len(spec_records)} speculative outputs ...")
-    forcing = force_records(dep.target.model, spec_records)
+        def on_round(r: int, got: dict[str, Sample]) -> None:
+            a, s_ = got["ar"].tok_s, got[spec].tok_s
+            line = f"  round {r + 1}/{args.rounds}: AR {a:.1f} tok/s"
+            say(line if spec == "ar" else f"{line}, spec {s_:.1f} tok/s ({s_ / a:.2f}x)")
+
+        engines = {"ar": ar_engine} if spec == "ar" else {"ar": ar_engine, "spec": spec_engine}
+        m = side_by_side(
+            engines,
+            encoded,
+            args.max_new_tokens,
+            dep.eos_ids,
+            rounds=args.rounds,
+            on_round=on_round,
+            progress=feedback,
+        )
+        ar_records, _ = records_of(m.last("ar"), "ar", meta)
+        spec_records, stats = records_of(m.last(spec), "spec", meta, k=spec_engine.k)
+        batch = ar_records if spec == "ar" else [*ar_records, *spec_records]
+        hf_tok_s = None
+        if args.hf:
+            from specpilot.bench.hf_baseline import HFBaseline
+
+            feedback.phase("loading HF transformers' model")
+            hf = HFBaseline(args.target, dep.dtype, dep.device)
+            hf.generate(encoded[0][1][-16:], 8, dep.eos_ids)  # warm-up
+            feedback.timed_phase("HF transformers generate (one run, not interleaved)")
+            hf_records = []
+            for i, (pid, ids) in enumerate(encoded):
+                feedback.detail(f"prompt {i + 1}/{len(encoded)}")
+                hf_records.append(hf.record(pid, ids, args.max_new_tokens, dep.eos_ids, meta))
+            hf_tok_s = sum(len(r.tokens) for r in hf_records) / sum(r.seconds for r in hf_records)
+            batch += hf_records
+        append_records(out, batch)
+        feedback.phase(f"token forcing {len(spec_records)} speculative outputs")
+        forced = 0
+
+        def forced_one() -> None:
+            nonlocal forced
+            forced += 1
+            feedback.detail(f"{forced}/{len(spec_records)}")
+
+        forcing = force_records(dep.target.model, spec_records, forced_one)
     identical = sum(a.tokens == b.tokens for a, b in zip(ar_records, spec_records, strict=True))
     result = summary_dict(m, spec, stats, forcing, identical, meta, args, out, len(encoded))
     if hf_tok_s is not None:
@@ -197,10 +241,9 @@ def summary_dict(
 
 
 def print_summary(r: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = result_console()
     table = Table(title=f"bench {r['prompt_set']} · {r['target']} · {r['dtype']} · {r['device']}")
     table.add_column("engine")
     table.add_column("tok/s", justify="right")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ from specpilot.bench.protocol import Measurement
 from specpilot.bench.records import RunRecord, append_records, make_record
 from specpilot.bench.runner import force_records
 from specpilot.commands.common import Deployment, build_deployment
+from specpilot.commands.feedback import Feedback
+from specpilot.consoles import result_console
 from specpilot.drafters.simulated import SIM_LABEL
 from specpilot.engine.config import resolve_segment_tokens
 from specpilot.engine.stats import AcceptanceStats
@@ -41,52 +43,49 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def run_batched(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     if args.resume:
         raise SpecPilotError("--resume is for --mode single; batched runs are one stream each.")
     levels = parse_concurrency(args.concurrency)
     rounds = getattr(args, "rounds", None) or DEFAULT_ROUNDS
     if rounds < 1:
         raise SpecPilotError(f"--rounds must be at least 1, got {rounds}.")
-    dep = build_deployment(args)
-    build = dep.build
-    segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
-    tok = dep.target.tokenizer
-    assert tok is not None
-    prompts = load_prompt_set(args.prompts, args.limit)
-    encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
-    out = args.out or Path("runs") / f"bench-batched-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
-    max_context = max(len(ids) for _, ids in encoded) + args.max_new_tokens
-    eos = frozenset(dep.eos_ids)
-
-    console = Console(stderr=True)
-    levels_out: list[dict[str, Any]] = []
-    spec_records: list[RunRecord] = []
-    identical = 0
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Feedback() as feedback:
+        dep = build_deployment(args, feedback)
+        build = dep.build
+        segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
+        tok = dep.target.tokenizer
+        assert tok is not None
+        prompts = load_prompt_set(args.prompts, args.limit)
+        encoded = [(p.id, tok.apply_chat_template(p.messages)) for p in prompts]
+        out = args.out or Path("runs") / f"bench-batched-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+        max_context = max(len(ids) for _, ids in encoded) + args.max_new_tokens
+        eos = frozenset(dep.eos_ids)
+        levels_out: list[dict[str, Any]] = []
+        spec_records: list[RunRecord] = []
+        identical = 0
         for c in levels:
             n = args.requests or 2 * c
             reqs = request_stream(encoded, n, args.max_new_tokens, eos)
             arrivals = poisson_arrivals(n, args.arrival_rate, args.seed)
             # batched AR and batched speculative on the same weights, from the composition root
+            feedback.phase(f"concurrency {c}: building the AR and speculative schedulers")
             schedulers = {
                 "ar": build.scheduler(c, segment_tokens, max_context, stock=True),
                 "spec": build.scheduler(c, segment_tokens, max_context),
             }
-            task = progress.add_task(
-                f"concurrency {c} · {1 + rounds} rounds", total=2 * n * (1 + rounds)
+            # measured: no spinner thread runs, the finished requests are counted in place
+            total = 2 * n * (1 + rounds)
+            feedback.timed_phase(
+                f"concurrency {c}: a warm-up and {rounds} rounds of {n} requests, AR and spec"
             )
-            m = measure_stream(
-                schedulers,
-                reqs,
-                arrivals,
-                rounds,
-                warmup=1,
-                on_finish=partial(progress.advance, task),
-            )
+            finished = 0
+
+            def on_finish(total: int = total) -> None:
+                nonlocal finished
+                finished += 1
+                feedback.detail(f"{finished}/{total} requests")
+
+            m = measure_stream(schedulers, reqs, arrivals, rounds, warmup=1, on_finish=on_finish)
             del schedulers  # the next level's engines replace these (KV caches, graphs)
             for r, (ar_s, spec_s) in enumerate(
                 zip(m.samples["ar"], m.samples["spec"], strict=True)
@@ -98,8 +97,21 @@ def run_batched(args: argparse.Namespace) -> int:
                 )
                 spec_records.extend(_records(spec, dep, r))
             levels_out.append(_level(m))
-        ftask = progress.add_task("token forcing", total=len(spec_records))
-        forcing = force_records(dep.target.model, spec_records, lambda: progress.advance(ftask))
+            lv = levels_out[-1]
+            feedback.say(
+                f"  concurrency {c}: AR {lv['ar_tok_s']:.1f} tok/s, spec {lv['spec_tok_s']:.1f} "
+                f"tok/s, {lv['speedup_text']} ({lv['verdict']})",
+                sys.stderr if args.json else sys.stdout,
+            )
+        feedback.phase(f"token forcing {len(spec_records)} speculative outputs")
+        forced = 0
+
+        def forced_one() -> None:
+            nonlocal forced
+            forced += 1
+            feedback.detail(f"{forced}/{len(spec_records)}")
+
+        forcing = force_records(dep.target.model, spec_records, forced_one)
 
     result: dict[str, Any] = {
         **dep.meta(),
@@ -184,10 +196,9 @@ def _level(m: Measurement) -> dict[str, Any]:
 
 
 def _print(r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = result_console()
     title = f"bench --mode batched {r['prompt_set']} · {r['target']} · {r['dtype']} · {r['device']}"
     if r["simulated_acceptance"]:
         title += f" · {SIM_LABEL}"

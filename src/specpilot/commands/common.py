@@ -6,18 +6,24 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
+from specpilot.commands.checks import MAX_K, Check, at_least, check_shared
 from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine import Engine
 from specpilot.engine.build import EngineBuild, build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.errors import SpecPilotError
+from specpilot.loading.fetch import check_model_spec
+from specpilot.progress import QUIET, Progress
 from specpilot.runtime import (
     DEFAULT_MAX_CONTEXT,
     LoadedModel,
+    check_dtype_on_device,
     dtype_name,
+    load_model,
     parse_device,
     parse_dtype,
 )
@@ -58,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
         dest="k",
         type=int,
         default=None,
-        help="tokens drafted per cycle (default: 8 for ngram, 4 for draft-model)",
+        help=f"tokens drafted per cycle, 0 to {MAX_K} (default: 8 for ngram, 4 for draft-model, "
+        "15 for block; 0 drafts nothing: plain AR)",
     )
     g.add_argument(
         "--ngram-max",
@@ -209,10 +216,116 @@ def _sim_k(profile: str, k: int | None) -> int:
     return pk
 
 
-def build_deployment(args: argparse.Namespace) -> Deployment:
+def check_args(args: argparse.Namespace, module: ModuleType) -> list[str]:
+    """Every check of ``args`` before anything is loaded (``commands/checks.py``): the shared
+    options, the command's own (``module.check``), then the deployment (or the engine config a
+    command reads), whose paths and models are checked last."""
+    check_shared(args)
+    own: Check | None = getattr(module, "check", None)
+    notes = [] if own is None else own(args)
+    if hasattr(args, "drafter"):  # the deployment options of add_engine_args
+        notes += check_deployment(args)
+    elif isinstance(getattr(args, "engine", None), Path):  # compare: configs, no flags
+        notes += check_engine_config(EngineConfig.load(args.engine), str(args.engine))
+    return notes
+
+
+def check_deployment(args: argparse.Namespace) -> list[str]:
+    """Check the deployment options (and the ``--engine`` file) without loading anything;
+    return notes for what is allowed but easy to misread (``-k 0`` is plain AR)."""
+    if args.k is not None and args.k < 0:
+        raise SpecPilotError(f"-k must be at least 0 (0 drafts nothing: plain AR), got {args.k}.")
+    at_least(args, "ngram_min", 1)
+    if args.ngram_max < args.ngram_min:
+        raise SpecPilotError(
+            f"--ngram-max ({args.ngram_max}) must be at least --ngram-min ({args.ngram_min})."
+        )
+    at_least(args, "max_context", 2)
+    new = getattr(args, "max_new_tokens", None)
+    if new is not None and new >= args.max_context:
+        raise SpecPilotError(
+            f"--max-new-tokens {new} does not fit --max-context {args.max_context} (the prompt "
+            "needs room too); raise --max-context or lower --max-new-tokens."
+        )
+    config = config_from_args(args)
+    return check_engine_config(config, None if args.engine is None else str(args.engine))
+
+
+def check_engine_config(config: EngineConfig, source: str | None = None) -> list[str]:
+    """What can be checked of an engine config before loading its models: k, the drafter, the
+    model paths, dtype and device, and where each mechanism applies (all but the architecture).
+    ``source``: the file it came from (the messages name it), None for command-line flags."""
+    from specpilot.drafters import DRAFTERS
+    from specpilot.mechanisms import MECHANISMS
+
+    dep = config.deployment
+    k_is = f"k = {config.k} in {source}" if source else f"-k {config.k}"
+    if config.k > MAX_K:
+        raise SpecPilotError(
+            f"{k_is} is more than the {MAX_K} tokens a cycle may draft: every cycle verifies "
+            "k + 1 tokens in one target forward and keeps 2·(k + 1) slots of context free, so a "
+            f"larger k spends compute and context on drafts that are almost never accepted in "
+            f"full; choose 1 to {MAX_K} (0 is plain AR)."
+        )
+    if dep.drafter not in ("none", *DRAFTERS):
+        raise SpecPilotError(
+            f"Unknown drafter '{dep.drafter}'"
+            + (f" in {source}" if source else "")
+            + f"; choose one of none, {', '.join(sorted(DRAFTERS))}."
+        )
+    check_model_spec(dep.target)
+    if dep.draft_model is not None:
+        try:
+            check_model_spec(dep.draft_model)
+        except SpecPilotError as e:
+            raise SpecPilotError(f"The draft model: {e}") from None
+    if (
+        dep.drafter == "draft-model"
+        and dep.draft_model is None
+        and "exit_layers" not in config.drafter_knobs
+    ):
+        raise SpecPilotError(
+            "The draft-model drafter needs --draft-model (a smaller model with the same tokenizer)."
+        )
+    if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None:
+        raise SpecPilotError(
+            f"The {dep.drafter} drafter needs --draft-model DIR, a {dep.drafter} checkpoint "
+            "directory (config.json + safetensors); train one with specpilot train-drafter."
+        )
+    drafts = dep.drafter != "none" and config.k > 0
+    if dep.simulate_acceptance is not None and not drafts:
+        raise SpecPilotError(
+            "Simulated acceptance needs a drafter that drafts; choose one with --drafter."
+        )
+    dtype, device = parse_dtype(dep.dtype), parse_device(dep.device)
+    check_dtype_on_device(dtype, device)
+    drafter_name = dep.drafter if drafts else "none"
+    for name in config.mechanisms:
+        where = dataclasses.replace(MECHANISMS[name].applies, archs=())  # the arch: once loaded
+        if not where.allows(device.type, dep.dtype, drafter_name, dep.mode, ""):
+            raise SpecPilotError(
+                f"Mechanism '{name}' does not apply to this deployment "
+                f"({device.type}, {dep.dtype}, drafter {drafter_name}, {dep.mode})."
+            )
+    if dep.drafter != "none" and config.k == 0:
+        return [f"{k_is} drafts nothing, so this runs plain AR decoding (as --drafter none does)."]
+    return []
+
+
+def build_deployment(args: argparse.Namespace, progress: Progress = QUIET) -> Deployment:
+    """Load the target (reporting each phase to ``progress``), then build the engine from the
+    composition root over it."""
     if args.threads:
         torch.set_num_threads(args.threads)
     config = config_from_args(args)
-    build = build_engine(config, args.max_context, graphs=getattr(args, "graphs", None))
     dep = config.deployment
-    return Deployment(build=build, dtype=parse_dtype(dep.dtype), device=parse_device(dep.device))
+    dtype, device = parse_dtype(dep.dtype), parse_device(dep.device)
+    target = load_model(dep.target, dtype, device, args.max_context, progress=progress)
+    progress.phase(
+        "building the engine"
+        + (f" (loading the draft model {dep.draft_model})" if dep.draft_model else "")
+    )
+    build = build_engine(
+        config, args.max_context, target=target, graphs=getattr(args, "graphs", None)
+    )
+    return Deployment(build=build, dtype=dtype, device=device)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from specpilot.bench.records import append_records, make_record
 from specpilot.bench.runner import force_records, timed_generate, warm_up
+from specpilot.commands.checks import writable_file
 from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.commands.feedback import Feedback
 from specpilot.errors import SpecPilotError
 from specpilot.loading import TextTokenizer
 
@@ -49,21 +52,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
 
 
+def check(args: argparse.Namespace) -> list[str]:
+    """generate's own arguments, before anything is loaded (``commands/checks.py``)."""
+    if args.messages is not None:
+        if args.prompt is not None:
+            raise SpecPilotError("Give a prompt or --messages, not both.")
+        read_messages(args.messages)
+    writable_file(args.out, "--out")
+    return []
+
+
+def read_messages(path: Path) -> list[dict[str, str]]:
+    try:
+        messages = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecPilotError(
+            f"--messages {path} is not a readable JSON list of messages ({e})."
+        ) from None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in messages
+    ):
+        raise SpecPilotError(
+            '--messages must hold a JSON list of {"role": ..., "content": ...} objects.'
+        )
+    return messages
+
+
 def _prompt_ids(args: argparse.Namespace, tok: TextTokenizer) -> list[int]:
     if args.messages is not None:
-        try:
-            messages = json.loads(args.messages.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecPilotError(
-                f"--messages {args.messages} is not a readable JSON list of messages ({e})."
-            ) from None
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages
-        ):
-            raise SpecPilotError(
-                '--messages must hold a JSON list of {"role": ..., "content": ...} objects.'
-            )
-        return tok.apply_chat_template(messages)
+        return tok.apply_chat_template(read_messages(args.messages))
     text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     if args.raw or not tok.has_chat_template:
         return tok.encode(text)
@@ -71,19 +88,26 @@ def _prompt_ids(args: argparse.Namespace, tok: TextTokenizer) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    dep = build_deployment(args)
-    tok = dep.target.tokenizer
-    assert tok is not None
-    prompt_ids = _prompt_ids(args, tok)
-    ar_engine, spec_engine = dep.engines()
-    spec_engine.check_fits(len(prompt_ids), args.max_new_tokens)
-    baseline = not args.no_baseline and dep.build.drafter is not None  # no drafter: it is AR
-    warm_up(
-        [spec_engine] if not baseline else [ar_engine, spec_engine],
-        [("prompt", prompt_ids)],
-        args.max_new_tokens,
-        dep.eos_ids,
-    )
+    started = time.perf_counter()
+    with Feedback(started) as feedback:
+        dep = build_deployment(args, feedback)
+        tok = dep.target.tokenizer
+        assert tok is not None
+        prompt_ids = _prompt_ids(args, tok)
+        ar_engine, spec_engine = dep.engines()
+        spec_engine.check_fits(len(prompt_ids), args.max_new_tokens)
+        baseline = not args.no_baseline and dep.build.drafter is not None  # no drafter: it is AR
+        # Only the engine that streams warms up before the first token; AR warms up after it,
+        # before its own timed run.
+        feedback.phase("warming up the engine")
+        warm_up([spec_engine], [("prompt", prompt_ids)], args.max_new_tokens, dep.eos_ids)
+        if args.json:  # nothing streams: say what runs
+            feedback.timed_phase(
+                f"generating up to {args.max_new_tokens} tokens ({dep.drafter_name})"
+            )
+            spec_res, spec_s = timed_generate(
+                spec_engine, prompt_ids, args.max_new_tokens, dep.eos_ids
+            )
 
     streamed: list[int] = []
     printed = ""
@@ -100,11 +124,12 @@ def run(args: argparse.Namespace) -> int:
             printed = text
 
     meta = dep.meta()
-    spec_res, spec_s = timed_generate(
-        spec_engine, prompt_ids, args.max_new_tokens, dep.eos_ids, None if args.json else stream
-    )
-    if not args.json:
+    if not args.json:  # the tokens stream to stdout, with no spinner in between
+        spec_res, spec_s = timed_generate(
+            spec_engine, prompt_ids, args.max_new_tokens, dep.eos_ids, stream
+        )
         sys.stdout.write("\n\n")
+        sys.stdout.flush()
     spec = make_record(
         "prompt",
         "spec",
@@ -126,21 +151,30 @@ def run(args: argparse.Namespace) -> int:
         "dtype": meta["dtype"],
         "device": meta["device"],
     }
-    if baseline:
-        ar_res, ar_s = timed_generate(ar_engine, prompt_ids, args.max_new_tokens, dep.eos_ids)
-        ar = make_record("prompt", "ar", meta, prompt_ids, ar_res.tokens, ar_res.stop_reason, ar_s)
-        records.append(ar)
-        out |= {
-            "ar_tok_s": ar.tok_s,
-            "speedup": spec.tok_s / ar.tok_s,
-            "identical_to_ar": ar.tokens == spec.tokens,
-        }
-    verdict_ok = True
-    if not args.no_verify:
-        report = force_records(dep.target.model, [spec])
-        verdict_ok = report.ok
-        out["forcing"] = report.to_dict(tok.decode)
-        out["forcing_summary"] = report.summary()
+    with Feedback(started) as feedback:
+        if baseline:
+            feedback.phase("warming up plain AR")
+            warm_up([ar_engine], [("prompt", prompt_ids)], args.max_new_tokens, dep.eos_ids)
+            feedback.timed_phase(
+                f"plain AR on the same prompt, for the speedup ({args.max_new_tokens} tokens at most)"
+            )
+            ar_res, ar_s = timed_generate(ar_engine, prompt_ids, args.max_new_tokens, dep.eos_ids)
+            ar = make_record(
+                "prompt", "ar", meta, prompt_ids, ar_res.tokens, ar_res.stop_reason, ar_s
+            )
+            records.append(ar)
+            out |= {
+                "ar_tok_s": ar.tok_s,
+                "speedup": spec.tok_s / ar.tok_s,
+                "identical_to_ar": ar.tokens == spec.tokens,
+            }
+        verdict_ok = True
+        if not args.no_verify:
+            feedback.phase(f"token forcing the {len(spec.tokens)} committed tokens")
+            report = force_records(dep.target.model, [spec])
+            verdict_ok = report.ok
+            out["forcing"] = report.to_dict(tok.decode)
+            out["forcing_summary"] = report.summary()
     if args.out is not None:
         append_records(args.out, records)
     if args.json:

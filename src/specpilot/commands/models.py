@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from specpilot.commands.feedback import Feedback
 from specpilot.loading import KNOWN_MODELS, fetch_model, list_models
+from specpilot.loading.converted import list_converted
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,13 +25,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     msub.add_parser(
         "list",
         help="list known models and whether they are cached",
-        description="List known models.",
+        description="List known models, whether they are fetched, and the converted copies of "
+        "GGUF files in the cache (what a second start maps instead of dequantizing; delete "
+        "<cache>/converted to reclaim the space).",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.models_cmd == "fetch":
-        path = fetch_model(args.name)
+        with Feedback() as feedback:
+            path = fetch_model(args.name, feedback)
         print(f"{args.name}: {path} ({path.stat().st_size / 1e6:.1f} MB)")
         return 0
     for name, cached, size in list_models():
@@ -39,4 +44,6 @@ def run(args: argparse.Namespace) -> int:
             else "not fetched"
         )
         print(f"{name:<16} {where}")
+    for entry, source, size in list_converted():
+        print(f"converted copy of {source}: {entry} ({size / 1e6:.1f} MB)")
     return 0

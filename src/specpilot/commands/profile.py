@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.bench.prompts import list_prompt_sets, load_prompt_set
+from specpilot.commands.checks import at_least
 from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.commands.feedback import Feedback
 from specpilot.errors import SpecPilotError
 
 
@@ -94,44 +96,53 @@ def _run_paper(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.paper is not None:
-        return _run_paper(args)
-    if args.repeats < 1 or args.rounds < 1 or args.limit < 1 or args.max_new_tokens < 1:
-        raise SpecPilotError(
-            "--repeats, --rounds, --limit and --max-new-tokens must be at least 1."
-        )
+def check(args: argparse.Namespace) -> list[str]:
+    """profile's own arguments, before anything is loaded (``commands/checks.py``)."""
+    if args.paper is not None:  # nothing is loaded; _run_paper checks the names it looks up
+        at_least(args, "tau", 1.0)
+        at_least(args, "context", 1)
+        return []
+    at_least(args, "repeats", 1)
+    at_least(args, "rounds", 1)
     if args.clock == "process" and (args.threads or 0) != 1:
         raise SpecPilotError(
             "--clock process counts CPU seconds of all threads; use it with --threads 1."
         )
-    from rich.console import Console
+    load_prompt_set(args.prompts, args.limit)
+    return []
 
+
+def run(args: argparse.Namespace) -> int:
+    if args.paper is not None:
+        return _run_paper(args)
     from specpilot.costmodel.hardware import measure_ceilings
     from specpilot.costmodel.profile_run import profile_engines
     from specpilot.costmodel.report import draw_chart, print_report, write_json
 
-    console = Console(stderr=True)
-    dep = build_deployment(args)
-    if args.clock == "process" and dep.device.type != "cpu":
-        raise SpecPilotError("--clock process is for the CPU; GPU timings use CUDA events.")
-    tok = dep.target.tokenizer
-    if tok is None:
-        raise SpecPilotError("profile needs the target's tokenizer to encode the prompt set.")
-    prompts = load_prompt_set(args.prompts, args.limit)
-    encoded = [tok.apply_chat_template(p.messages) for p in prompts]
-    ar_engine, spec_engine = dep.engines()
-    longest = max(len(ids) for ids in encoded) + args.max_new_tokens
-    if longest > min(ar_engine.max_context, spec_engine.max_context):
-        raise SpecPilotError(
-            f"A prompt plus {args.max_new_tokens} new tokens needs {longest} tokens of context, "
-            f"more than this engine holds ({spec_engine.max_context}); lower --max-new-tokens "
-            "or --limit, or raise --max-context."
-        )
-    with console.status("measuring ceilings"):
+    with Feedback() as feedback:
+        dep = build_deployment(args, feedback)
+        if args.clock == "process" and dep.device.type != "cpu":
+            raise SpecPilotError("--clock process is for the CPU; GPU timings use CUDA events.")
+        tok = dep.target.tokenizer
+        if tok is None:
+            raise SpecPilotError("profile needs the target's tokenizer to encode the prompt set.")
+        prompts = load_prompt_set(args.prompts, args.limit)
+        encoded = [tok.apply_chat_template(p.messages) for p in prompts]
+        ar_engine, spec_engine = dep.engines()
+        longest = max(len(ids) for ids in encoded) + args.max_new_tokens
+        if longest > min(ar_engine.max_context, spec_engine.max_context):
+            raise SpecPilotError(
+                f"A prompt plus {args.max_new_tokens} new tokens needs {longest} tokens of "
+                f"context, more than this engine holds ({spec_engine.max_context}); lower "
+                "--max-new-tokens or --limit, or raise --max-context."
+            )
+        feedback.timed_phase("measuring the machine's ceilings (copy, matmul, launch)")
         ceilings = measure_ceilings(dep.device, dep.dtype, process_clock=args.clock == "process")
-    draft = dep.build.draft_model
-    with console.status(f"warm-up, {len(encoded)} prompts (AR and speculative), components"):
+        draft = dep.build.draft_model
+        feedback.timed_phase(
+            f"warm-up, then {len(encoded)} prompts with AR and the speculative engine, then "
+            "each component of the forward"
+        )
         result = profile_engines(
             ar_engine,
             spec_engine,

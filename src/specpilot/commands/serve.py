@@ -7,8 +7,11 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from specpilot.commands.checks import at_least, between
 from specpilot.commands.common import add_engine_args, build_deployment
+from specpilot.commands.feedback import Feedback
 from specpilot.errors import SpecPilotError
+from specpilot.progress import QUIET, Progress
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -73,6 +76,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
 
 
+def check(args: argparse.Namespace) -> list[str]:
+    """serve's own arguments, before anything is loaded (``commands/checks.py``)."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("fastapi", "uvicorn")):
+        raise SpecPilotError("Serving needs fastapi and uvicorn: pip install 'specpilot[serve]'.")
+    between(args, "port", 0, 65535)
+    at_least(args, "default_max_tokens", 1)
+    between(args, "audit_rate", 0.0, 1.0)
+    at_least(args, "max_concurrency", 1)
+    at_least(args, "segment_tokens", 1)
+    at_least(args, "max_body_bytes", 1)
+    return []
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -80,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecPilotError(
             "Serving needs fastapi and uvicorn: pip install 'specpilot[serve]'."
         ) from None
-    app = build_app(args)
+    with Feedback() as feedback:
+        app = build_app(args, feedback)
     print(f"specpilot serve: {startup_line(app.state.settings)}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
@@ -97,7 +116,9 @@ def startup_line(settings: ServeSettings) -> str:
     )
 
 
-def build_worker(args: argparse.Namespace) -> tuple[EngineWorker, dict[str, Any]]:
+def build_worker(
+    args: argparse.Namespace, progress: Progress = QUIET
+) -> tuple[EngineWorker, dict[str, Any]]:
     """The engine thread over a scheduler from the composition root (every plan and mechanism
     the engine config enables; CUDA graphs by default on CUDA, ``--no-graphs``: eager), and a
     description of what it runs. Needs no HTTP package."""
@@ -111,7 +132,7 @@ def build_worker(args: argparse.Namespace) -> tuple[EngineWorker, dict[str, Any]
         raise SpecPilotError(f"--max-body-bytes must be at least 1, got {args.max_body_bytes}.")
     if args.max_concurrency < 1 or (args.segment_tokens is not None and args.segment_tokens < 1):
         raise SpecPilotError("--max-concurrency and --segment-tokens must be at least 1.")
-    dep = build_deployment(args)
+    dep = build_deployment(args, progress)
     tok = dep.target.tokenizer
     if tok is None:
         raise SpecPilotError("Serving needs the target's tokenizer.")
@@ -135,11 +156,11 @@ def build_worker(args: argparse.Namespace) -> tuple[EngineWorker, dict[str, Any]
     return worker, engine
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
+def build_app(args: argparse.Namespace, progress: Progress = QUIET) -> FastAPI:
     """The HTTP app over :func:`build_worker`'s engine thread."""
     from specpilot.serve.app import ServeSettings, create_app
 
-    worker, engine = build_worker(args)
+    worker, engine = build_worker(args, progress)
     settings = ServeSettings(
         model_name=args.served_model_name or engine["target"],
         context=worker.max_context,

@@ -9,8 +9,11 @@ from pathlib import Path
 
 from specpilot.bench.records import read_records
 from specpilot.bench.runner import force_records
+from specpilot.commands.feedback import Feedback
+from specpilot.consoles import result_console
 from specpilot.errors import SpecPilotError
 from specpilot.forcing import ForcingReport
+from specpilot.loading.fetch import check_model_spec
 from specpilot.runtime import DEFAULT_MAX_CONTEXT, load_model, parse_device, parse_dtype
 
 
@@ -34,6 +37,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
 
 
+def check(args: argparse.Namespace) -> list[str]:
+    """verify's own arguments, before anything is loaded (``commands/checks.py``)."""
+    if not args.records.is_file():
+        raise SpecPilotError(
+            f"Records file {args.records} does not exist; write one with generate --out or "
+            "bench --out."
+        )
+    if args.dtype is not None:
+        parse_dtype(args.dtype)
+    parse_device(args.device)
+    if args.target is not None:
+        check_model_spec(args.target)
+    return []
+
+
 def run(args: argparse.Namespace) -> int:
     records = read_records(args.records)
     if args.engine:
@@ -48,8 +66,18 @@ def run(args: argparse.Namespace) -> int:
         )
     target = args.target or targets.pop()
     dtype = parse_dtype(args.dtype or dtypes.pop())
-    loaded = load_model(target, dtype, parse_device(args.device), DEFAULT_MAX_CONTEXT)
-    report = force_records(loaded.model, records)
+    with Feedback() as feedback:
+        device = parse_device(args.device)
+        loaded = load_model(target, dtype, device, DEFAULT_MAX_CONTEXT, progress=feedback)
+        feedback.phase(f"token forcing {len(records)} records")
+        forced = 0
+
+        def forced_one() -> None:
+            nonlocal forced
+            forced += 1
+            feedback.detail(f"{forced}/{len(records)}")
+
+        report = force_records(loaded.model, records, forced_one)
     decode = loaded.tokenizer.decode if loaded.tokenizer is not None else None
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_dict(decode), indent=2))
@@ -58,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(report: ForcingReport, decode: Callable[[list[int]], str] | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = result_console()
     table = Table(title=f"token forcing ({report.dtype})")
     for col in ("sequence", "match", "near-tie", "mismatch"):
         table.add_column(col, justify="left" if col == "sequence" else "right")

@@ -42,10 +42,11 @@ def _tag(pred: Prediction) -> str:
 
 def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None:
     """A rich table of the cycle (roofline vs measured per component) and the speedups."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from specpilot.consoles import result_console
+
+    console = result_console()
     tag = _tag(pred)
 
     def tagged(line: str) -> str:  # every figure line of a simulated run says so

