@@ -353,3 +353,21 @@ def test_cuda_graphs_equal_eager(case: str) -> None:
         ]
         report = force_tokens(target, records)
         assert report.mismatches == 0, f"{case} bf16 graphs: {report.first_mismatch()}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["cuda-eager", "cuda-graphs"])
+def test_cuda_a_perfect_draft_model_accepts_every_draft(graphs: bool) -> None:
+    """The target as its own draft model (fp32) must accept every draft, on CUDA eagerly and from
+    graphs: equality with AR alone cannot see a drafter that drafts the wrong positions. (On the
+    H200 on 2026-12-01 a twin draft model on graphs accepted 0 drafts in tests/test_gate.py; this
+    test tells eager from graphs.)"""
+    cfg = tiny_config(arch="llama", vocab=97, layers=2)
+    target = _cuda_model(cfg, 0, torch.float32)
+    rng = random.Random(3)
+    prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(4, 40)) for _ in range(3)]
+    engine = Engine(target, DraftModelDrafter(target, k=4), graphs=graphs)
+    results = generate(engine, prompts, 40)
+    assert tokens(results) == tokens(generate(Engine(target, graphs=False), prompts, 40))
+    for r in results:
+        assert r.stats.accepted == r.stats.drafted, r.stats
