@@ -306,3 +306,23 @@ def test_default_layers(tmp_path: Path) -> None:
     target = tiny_model(tiny_config(layers=8, vocab=V), 0)
     write_checkpoint(tmp_path / "d", target, extra={"eagle_config": {}})
     assert Eagle3Drafter.load(target, tmp_path / "d").hidden_layers == (1, 3, 4)
+
+
+def test_commands_run_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--drafter eagle3 --draft-model DIR`` on a command, token-forced; a head for another
+    target is one sentence, not a traceback."""
+    from specpilot.cli import main
+    from specpilot.runtime import load_model
+    from test_cli import tiny_dir
+
+    model = tiny_dir(tmp_path / "model", vocab=V)
+    target = load_model(str(model)).model
+    write_checkpoint(tmp_path / "head", target, draft_vocab=30)
+    args = ["generate", "hello world", "--target", str(model), "--drafter", "eagle3",
+            "--draft-model", str(tmp_path / "head"), "--max-new-tokens", "12", "--device", "cpu"]  # fmt: skip
+    assert main([*args, "-k", "3"]) == 0
+    assert "PASS" in capsys.readouterr().out
+    write_checkpoint(tmp_path / "other", target, extra={"vocab_size": 97})
+    assert main([*args[:-4], "--draft-model", str(tmp_path / "other"), "--device", "cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "vocabulary of 97" in err and "Traceback" not in err

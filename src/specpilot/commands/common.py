@@ -292,7 +292,9 @@ def check_engine_config(config: EngineConfig, source: str | None = None) -> list
     if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None:
         raise SpecPilotError(
             f"The {dep.drafter} drafter needs --draft-model DIR, a {dep.drafter} checkpoint "
-            "directory (config.json + safetensors); train one with specpilot train-drafter."
+            "directory (config.json + safetensors)"
+            + ("" if dep.drafter == "eagle3" else "; train one with specpilot train-drafter")
+            + "."
         )
     drafts = dep.drafter != "none" and config.k > 0
     if dep.simulate_acceptance is not None and not drafts:
