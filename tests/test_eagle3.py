@@ -326,3 +326,14 @@ def test_commands_run_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main([*args[:-4], "--draft-model", str(tmp_path / "other"), "--device", "cpu"]) != 0
     err = capsys.readouterr().err
     assert "vocabulary of 97" in err and "Traceback" not in err
+
+
+def test_tuner_searches_k_and_trees(tmp_path: Path) -> None:
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.tune.space import directions_for
+
+    dep = DeploymentSpec(target="t", drafter="eagle3", draft_model=str(tmp_path / "d"))
+    dirs = {d.name: d for d in directions_for(EngineConfig(dep, k=6), "cpu", "llama")}
+    (knob,) = dirs["draft-length"].params
+    assert (knob.low, knob.high, knob.default) == (1, 16, 6)
+    assert "mechanism:tree-verify" in dirs
