@@ -107,7 +107,9 @@ MECHANISM = Mechanism(
     lossless=LOSSLESS,
     apply=_apply_fixed,
     knobs=TREE_KNOBS,
-    applies=Applicability(drafters=("ngram", "draft-model", "block", "dflash", "dflash2", "eagle3")),
+    applies=Applicability(
+        drafters=("ngram", "draft-model", "block", "dflash", "dflash2", "eagle3")
+    ),
     summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
 )
 
