@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from specpilot.drafters import BlockDrafter, DraftModelDrafter, NgramDrafter
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.dflash import DFlashDrafter
+from specpilot.drafters.eagle3 import Eagle3Drafter
 from specpilot.drafters.early_exit import early_exit_model
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
@@ -31,6 +32,8 @@ from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
 from specpilot.mechanisms.int8_copy import cheap_model
 from specpilot.mechanisms.two_level import TwoLevelDrafter
 from specpilot.models.dflash import DFlashNet, spec_for_target
+from specpilot.models.eagle3 import Eagle3Net
+from specpilot.models.eagle3 import spec_for_target as eagle3_spec
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import init_random_on_device
 
@@ -104,6 +107,16 @@ def dflash_drafter(target: Transformer, rng: random.Random, kind: str = "dflash"
     net = DFlashNet(spec, target)
     net.init_random(rng.randrange(100), std=0.15)
     return DFlashDrafter(net, rng.randint(2, spec.block_size - 1))
+
+
+def eagle3_drafter(target: Transformer, rng: random.Random) -> Eagle3Drafter:
+    """A seeded EAGLE-3 head over 3 random target layers and a random draft vocabulary."""
+    n, v = target.cfg.num_layers, target.cfg.vocab_size
+    ids = [rng.randrange(n) for _ in range(3)]
+    spec = eagle3_spec(target.cfg, rng.randint(v // 3, v), 48, ids)
+    net = Eagle3Net(spec, target)
+    net.init_random(rng.randrange(100), std=0.15)
+    return Eagle3Drafter(net, rng.randint(1, 7))
 
 
 def simulated(
@@ -219,6 +232,11 @@ CASES: dict[str, Case] = {
     "dflash2/packed+tiered": _case(
         lambda t, o, r: (dflash_drafter(t, r, "dflash2"), PackedPlan(TieredBudget(3.0), 4))
     ),
+    "eagle3/chain": _case(lambda t, o, r: (eagle3_drafter(t, r), None)),
+    "eagle3/fixed-tree": _case(
+        lambda t, o, r: (d := eagle3_drafter(t, r), TreePlan(FixedTree(static_tree(r, d.k))))
+    ),
+    "eagle3/packed": _case(lambda t, o, r: (eagle3_drafter(t, r), PackedPlan())),
     "sim/chain": _case(lambda t, o, r: (simulated(t, r, r.randint(3, 9)), None)),
     "sim/packed+row-block-len": _case(
         lambda t, o, r: (simulated(t, r, 8, heterogeneous=True), PackedPlan(RowBlockLength(0.3), 4))

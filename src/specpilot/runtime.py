@@ -191,7 +191,9 @@ def build_drafter(
         if draft_path is None:
             raise SpecPilotError(
                 f"The {name} drafter needs --draft-model DIR, a {name} checkpoint directory "
-                "(config.json + safetensors); train one with specpilot train-drafter."
+                "(config.json + safetensors)"
+                + ("" if name == "eagle3" else "; train one with specpilot train-drafter")
+                + "."
             )
         if knobs:
             raise SpecPilotError(f"The {name} drafter has no knob(s) {sorted(knobs)}.")

@@ -47,16 +47,17 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
     g.add_argument(
         "--drafter",
         default=default_drafter,
-        choices=["none", "ngram", "draft-model", "block", "dflash", "dflash2"],
+        choices=["none", "ngram", "draft-model", "block", "dflash", "dflash2", "eagle3"],
         help="drafter kind (default: %(default)s; none = plain AR; block = a DFlash-shaped block "
         "drafter with seeded random weights, for timing under --simulate-acceptance; dflash, "
-        "dflash2 = a learned block drafter from --draft-model DIR)",
+        "dflash2 = a learned block drafter from --draft-model DIR; eagle3 = an EAGLE-3 head from "
+        "--draft-model DIR)",
     )
     g.add_argument(
         "--draft-model",
         default=None,
         help="model for --drafter draft-model (same tokenizer as the target), or the checkpoint "
-        "directory of --drafter dflash|dflash2 (config.json + safetensors)",
+        "directory of --drafter dflash|dflash2|eagle3 (config.json + safetensors)",
     )
     g.add_argument(
         "-k",
@@ -187,13 +188,14 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(deployment=dep, k=k, drafter_knobs=knobs, gate=gate)
 
 
-DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15}
-"""Tokens drafted per cycle when ``-k`` is not given (block: DFlash's block of 16)."""
+DEFAULT_K = {"ngram": 8, "draft-model": 4, "block": 15, "eagle3": 6}
+"""Tokens drafted per cycle when ``-k`` is not given (block: DFlash's block of 16; eagle3:
+EAGLE-3's chain of 7 steps, the verify's bonus being the seventh token)."""
 
 
 def default_k(drafter: str, draft_model: str | None) -> int:
     """Tokens drafted per cycle when ``-k`` is not given; a DFlash checkpoint's block less one."""
-    if drafter in CHECKPOINT_DRAFTERS and draft_model is not None:
+    if drafter in ("dflash", "dflash2") and draft_model is not None:
         from specpilot.loading.dflash import block_size_of
 
         return block_size_of(Path(draft_model)) - 1
@@ -290,7 +292,9 @@ def check_engine_config(config: EngineConfig, source: str | None = None) -> list
     if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None:
         raise SpecPilotError(
             f"The {dep.drafter} drafter needs --draft-model DIR, a {dep.drafter} checkpoint "
-            "directory (config.json + safetensors); train one with specpilot train-drafter."
+            "directory (config.json + safetensors)"
+            + ("" if dep.drafter == "eagle3" else "; train one with specpilot train-drafter")
+            + "."
         )
     drafts = dep.drafter != "none" and config.k > 0
     if dep.simulate_acceptance is not None and not drafts:

@@ -9,6 +9,7 @@ from specpilot.drafters.base import Drafter, DraftRows
 from specpilot.drafters.block_drafter import BlockDrafter
 from specpilot.drafters.dflash import DFlashDrafter, load_dflash, load_dflash2
 from specpilot.drafters.draft_model import DraftModelDrafter
+from specpilot.drafters.eagle3 import Eagle3Drafter, load_eagle3
 from specpilot.drafters.ngram import NgramDrafter
 
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
@@ -17,10 +18,11 @@ DRAFTERS: dict[str, Callable[..., Drafter]] = {
     BlockDrafter.name: BlockDrafter,
     "dflash": load_dflash,
     "dflash2": load_dflash2,
+    "eagle3": load_eagle3,
 }
 """Name → constructor. The composition root and the CLI dispatch through this table only."""
 
-CHECKPOINT_DRAFTERS = frozenset({"dflash", "dflash2"})
+CHECKPOINT_DRAFTERS = frozenset({"dflash", "dflash2", "eagle3"})
 """Drafters built from their own checkpoint directory (``--draft-model DIR``), called as
 ``factory(target=Transformer, path=DIR, k=k)``, rather than from a loaded draft model."""
 
@@ -43,6 +45,7 @@ __all__ = [
     "DraftModelDrafter",
     "DraftRows",
     "Drafter",
+    "Eagle3Drafter",
     "NgramDrafter",
     "make_drafter",
 ]

@@ -107,7 +107,9 @@ MECHANISM = Mechanism(
     lossless=LOSSLESS,
     apply=_apply_fixed,
     knobs=TREE_KNOBS,
-    applies=Applicability(drafters=("ngram", "draft-model", "block", "dflash", "dflash2")),
+    applies=Applicability(
+        drafters=("ngram", "draft-model", "block", "dflash", "dflash2", "eagle3")
+    ),
     summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
 )
 
@@ -125,7 +127,7 @@ RAGGED_TREES = Mechanism(
         Knob("prior", 0.8, low=0.0, high=1.0, doc="initial per-position acceptance estimate"),
     ),
     applies=Applicability(
-        drafters=("draft-model", "block", "dflash", "dflash2"), modes=("batched",)
+        drafters=("draft-model", "block", "dflash", "dflash2", "eagle3"), modes=("batched",)
     ),
     summary="A chain for confident rows, a wider tree for uncertain ones (batched)",
 )

@@ -178,9 +178,15 @@ class Forward(Generic[NetT]):
         k_cache: Tensor,  # [B, H_kv, S, D]
         v_cache: Tensor,
         lay: Layout,
+        attn_prefix: Tensor | None = None,  # [M, P] normed columns before the normed x
     ) -> Tensor:
+        """``attn_prefix``: EAGLE-3's midlayer, whose q/k/v read ``[prefix ; norm(x)]`` (the
+        normed token embedding, then the normed hidden state; ``w_qkv`` is ``[q + 2kv, P + H]``)
+        while the residual stays ``x``. None for every other network."""
         cfg = self.cfg
         hn = self.norm(x, layer.input_norm)
+        if attn_prefix is not None:
+            hn = torch.cat([attn_prefix, hn], dim=-1)  # [M, P + hidden]
         conv_a, conv_m = layer.attention_conv, layer.mlp_conv  # DFlash2's block mixes, or None
         rows = lay.block if isinstance(lay, DenseLayout) and lay.block else lay.width
         if conv_a is not None:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.engine.config import DEFAULT_SEGMENT_TOKENS, EngineConfig
 from specpilot.mechanisms import MECHANISMS, Knob
 
@@ -130,7 +129,7 @@ def directions_for(
     simulated = dep.simulate_acceptance is not None
     if dep.drafter != "none" and not simulated:
         high = 16
-        if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model:  # a DFlash block's length
+        if dep.drafter in ("dflash", "dflash2") and dep.draft_model:  # a DFlash block's length
             from specpilot.loading.dflash import block_size_of
 
             high = min(high, block_size_of(Path(dep.draft_model)) - 1)
