@@ -64,11 +64,29 @@ def test_waits_for_an_ar_time_and_keeps_paying_rows_on() -> None:
     assert not g2.all_off([True]) and g2.turned_off == 0
 
 
+def test_a_new_request_starts_from_what_earlier_ones_measured() -> None:
+    g = _gate(warmup_cycles=2, off_tokens=8)
+    g.observe_ar(0.010, 1, [0])
+    assert not g.all_off([True])  # nothing measured yet: a new row drafts
+    for _ in range(2):
+        g.observe_cycle(0.020, [(0, 1)])  # drafting loses
+    g.reset_row(0)  # the next request starts off, and probes after its first period
+    assert g.all_off([True]) and g.off_window([True]) == 8
+    assert g.observe_ar(0.010, 8, [0]) == [0]
+    g2 = _gate(warmup_cycles=2)
+    g2.observe_ar(0.010, 1, [0])
+    for _ in range(3):
+        g2.observe_cycle(0.020, [(0, 4)])  # drafting pays: new requests draft from the start
+    g2.reset_row(0)
+    assert not g2.all_off([True])
+
+
 def test_reset_row_forgets_a_row_and_settings_are_checked() -> None:
     g = _gate(warmup_cycles=1)
     g.observe_ar(0.010, 1, [0])
     g.observe_cycle(0.050, [(0, 1)])
     assert g.all_off([True])
+    g.tau_prior = 0.0  # the deployment's prior forgotten too: a reset row drafts again
     g.reset_row(0)
     assert not g.all_off([True])
     with pytest.raises(ValueError):

@@ -49,7 +49,7 @@ class GateSettings:
     """Drafting must beat AR by this fraction to stay on (keeps noise from flipping rows on)."""
     warmup_cycles: int = 4
     """Speculative cycles a row runs before its first verdict."""
-    probe_cycles: int = 3
+    probe_cycles: int = 2
     """Cycles a probe drafts before it is judged."""
     off_tokens: int = 16
     """Tokens committed by AR after the first losing verdict."""
@@ -106,15 +106,33 @@ class SpecGate:
     """Times a row stopped drafting (for reports)."""
     ar_steps: int = 0
     """AR steps the gate ran instead of speculative cycles."""
+    recent_off: int = 0
+    """The off period the latest losing verdict chose (new requests that start off take it)."""
+    tau_prior: float = 0.0
+    """Committed tokens per drafted cycle over every row so far (moving average): what a new
+    request is expected to reach, so it need not pay for warm-up cycles to find out."""
 
     def reset(self, batch: int) -> None:
         self.rows = [self._fresh() for _ in range(batch)]
 
     def _fresh(self) -> _Row:
-        return _Row(next_off=self.settings.off_tokens)
+        """A new request: it drafts, unless the deployment's recent rows say drafting loses
+        (``tau_prior``); then it starts with an off period and probes at its end."""
+        s = self.settings
+        if self._loses(self.tau_prior):
+            return _Row(
+                on=False, off_left=s.off_tokens, next_off=min(2 * s.off_tokens, s.max_off_tokens)
+            )
+        return _Row(next_off=s.off_tokens)
+
+    def _loses(self, tau: float) -> bool:
+        """Drafting at ``tau`` tokens per cycle is slower than AR by the margin (both timed)."""
+        if tau <= 0.0 or self.t_ar <= 0.0 or self.t_cycle <= 0.0:
+            return False
+        return tau * self.t_ar < (1.0 + self.settings.margin) * self.t_cycle
 
     def reset_row(self, row: int) -> None:
-        """Row ``row`` takes a new request: it starts drafting, with no history."""
+        """Row ``row`` takes a new request: no history of its own (``_fresh``)."""
         if row < len(self.rows):
             self.rows[row] = self._fresh()
 
@@ -146,15 +164,18 @@ class SpecGate:
                 continue
             r.tau = n if r.cycles == 0 else r.tau + s.alpha * (n - r.tau)
             r.cycles += 1
+            self.tau_prior = self._avg(self.tau_prior, n)
             limit = self._limit(r)
             if r.cycles < limit or self.t_ar <= 0.0:
                 continue
-            if r.tau * self.t_ar < (1.0 + s.margin) * self.t_cycle:
+            if self._loses(r.tau):
                 r.on, r.off_left = False, r.next_off
+                self.recent_off = r.next_off
                 r.next_off = min(2 * r.next_off, s.max_off_tokens)
                 self.turned_off += 1
             elif r.cycles == limit:
                 r.next_off = s.off_tokens  # the probe paid: the next loss starts short again
+                self.recent_off = s.off_tokens
 
     def observe_ar(self, seconds_per_step: float, steps: int, rows: Sequence[int]) -> list[int]:
         """AR steps ran; returns the rows that probe again now (their drafter must catch up)."""
