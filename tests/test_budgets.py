@@ -68,3 +68,21 @@ def test_compare_repeats_what_the_tune_measured_unless_told_otherwise(tmp_path) 
         max_new_tokens=None, rounds=None,
     )  # fmt: skip
     assert resolve_defaults(alone) == [] and (alone.skip, alone.limit) == (4, 6)
+
+
+def test_compare_of_a_tune_without_winner_gives_no_verdict(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from specpilot.cli import main
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from test_tune import tune_inputs
+
+    model, prompts = tune_inputs(tmp_path)
+    cfg = EngineConfig(DeploymentSpec(target=str(model), drafter="ngram", device="cpu"), k=2)
+    cfg.save(tmp_path / "tuned.json")
+    cfg.save(tmp_path / "stock.json")
+    argv = ["compare", "--engine", str(tmp_path / "tuned.json"), "--stock"]
+    argv += [str(tmp_path / "stock.json"), "--prompts", str(prompts), "--skip", "0"]
+    argv += ["--limit", "1", "--max-new-tokens", "8", "--rounds", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the tuned config is the stock config" in out and "no verdict" in out
+    assert "in every round" not in out.split("tuned over stock")[1]

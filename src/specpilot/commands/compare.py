@@ -222,7 +222,14 @@ def run(args: argparse.Namespace, target: LoadedModel | None = None) -> int:
             f"  {name:<6} {m.tok_s(name):8.1f} tok/s  {ratios[name].text():>18} AR  τ {tau:4.2f}  "
             f"{reports[name].summary()}"
         )
-    print(f"  tuned over stock speculative: {tuned_vs_stock.text()} — {_say(tuned_vs_stock)}")
+    if tuned_cfg.to_json() == stock_cfg.to_json():  # no winner: two copies of one engine
+        print(
+            f"  tuned over stock speculative: {tuned_vs_stock.text()} — the tuned config is the "
+            "stock config (the tune found no winner), so this ratio is only the noise between two "
+            "copies of one engine (their buffers placed apart in memory): no verdict"
+        )
+    else:
+        print(f"  tuned over stock speculative: {tuned_vs_stock.text()} — {_say(tuned_vs_stock)}")
     note = m.noise_note("ar")
     if note is not None:
         print(f"  note: {note}")
