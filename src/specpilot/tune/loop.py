@@ -12,12 +12,13 @@ Every speedup is a median of per-round ratios over AR measured interleaved in on
 (``tune/evaluate.py``); a candidate within the noise of the best is not a winner.
 Stop at the round or time budget, or after a round that improves nothing. The time budget is a
 wall-clock deadline checked before every chunk of candidates (they share AR rounds): a chunk is
-started only if the time left covers the slowest chunk so far, so the last round is cut short
+started only if the time left covers the median chunk so far, so the last round is cut short
 cleanly (its finished candidates are still integrated) instead of overrunning.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -116,9 +117,9 @@ class TuneLoop:
             d.name: make_explorer(d, settings.seed, settings.explorer) for d in self.directions
         }
         self.t0 = time.perf_counter()
-        self.slowest_chunk = 0.0
-        """Seconds of the slowest ``executor.map`` call so far (a chunk shares its AR rounds, so
-        it costs about the sum of its trials); the next one starts only if it would fit."""
+        self.chunk_seconds: list[float] = []
+        """Seconds of every ``executor.map`` call so far (a chunk shares its AR rounds, so it
+        costs about the sum of its trials); the next one starts only if a typical one fits."""
         self.quarantined: set[str] = set()
         self.deployment = store.add_deployment(fingerprint, label)
         previous = store.latest_run(self.deployment) if resume else None
@@ -139,8 +140,12 @@ class TuneLoop:
         return time.perf_counter() - self.t0
 
     def _time_left(self) -> bool:
-        """True if one more chunk (as slow as the slowest so far) fits in the budget."""
-        return self.elapsed() + self.slowest_chunk <= self.settings.budget_seconds
+        """True if one more chunk, as long as the median chunk so far, fits in the budget. (The
+        slowest chunk would be safer but lets one slow direction, a draft model, starve every
+        later one; an overrun is at most the slowest less the median, and the final compare
+        fits itself into what is left.)"""
+        typical = statistics.median(self.chunk_seconds) if self.chunk_seconds else 0.0
+        return self.elapsed() + typical <= self.settings.budget_seconds
 
     def _evaluate(
         self, round_: int, explorer: str, configs: Sequence[EngineConfig], force: bool = False
@@ -159,7 +164,7 @@ class TuneLoop:
             t0 = time.perf_counter()
             for r in self.executor.map(todo[i : i + width]):
                 results[config_hash(r.config)] = r
-            self.slowest_chunk = max(self.slowest_chunk, time.perf_counter() - t0)
+            self.chunk_seconds.append(time.perf_counter() - t0)
         out = []
         for c in configs:
             h = config_hash(c)
@@ -351,7 +356,7 @@ class TuneLoop:
         best = outcome.best
         t0 = time.perf_counter()
         got = self.executor.map([best.config, cand.config])
-        self.slowest_chunk = max(self.slowest_chunk, time.perf_counter() - t0)
+        self.chunk_seconds.append(time.perf_counter() - t0)
         b, c = got[0], got[1]
         for r in (b, c):
             outcome.trials.append(Trial(round_, "confirm", r, elapsed=self.elapsed()))
