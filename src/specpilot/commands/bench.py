@@ -183,14 +183,7 @@ def run(args: argparse.Namespace) -> int:
             batch += hf_records
         append_records(out, batch)
         feedback.phase(f"token forcing {len(spec_records)} speculative outputs")
-        forced = 0
-
-        def forced_one() -> None:
-            nonlocal forced
-            forced += 1
-            feedback.detail(f"{forced}/{len(spec_records)}")
-
-        forcing = force_records(dep.target.model, spec_records, forced_one)
+        forcing = force_records(dep.target.model, spec_records, feedback.counter(len(spec_records)))
     identical = sum(a.tokens == b.tokens for a, b in zip(ar_records, spec_records, strict=True))
     result = summary_dict(m, spec, stats, forcing, identical, meta, args, out, len(encoded))
     if hf_tok_s is not None:

@@ -104,14 +104,7 @@ def run_batched(args: argparse.Namespace) -> int:
                 sys.stderr if args.json else sys.stdout,
             )
         feedback.phase(f"token forcing {len(spec_records)} speculative outputs")
-        forced = 0
-
-        def forced_one() -> None:
-            nonlocal forced
-            forced += 1
-            feedback.detail(f"{forced}/{len(spec_records)}")
-
-        forcing = force_records(dep.target.model, spec_records, forced_one)
+        forcing = force_records(dep.target.model, spec_records, feedback.counter(len(spec_records)))
 
     result: dict[str, Any] = {
         **dep.meta(),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TextIO
 
@@ -110,6 +111,17 @@ class Feedback:
         elif self._open_line:
             sys.stderr.write(f"\r\x1b[2Kspecpilot: {self._elapsed()} {self._phase}: {text}")
             sys.stderr.flush()
+
+    def counter(self, total: int) -> Callable[[], None]:
+        """A callback to call once per item done; shows ``done/total`` as the step's detail."""
+        done = 0
+
+        def one() -> None:
+            nonlocal done
+            done += 1
+            self.detail(f"{done}/{total}")
+
+        return one
 
     def say(self, text: str, stream: TextIO) -> None:
         """A result line on ``stream`` (stdout or stderr) while the feedback runs, on a line of

@@ -70,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
         device = parse_device(args.device)
         loaded = load_model(target, dtype, device, DEFAULT_MAX_CONTEXT, progress=feedback)
         feedback.phase(f"token forcing {len(records)} records")
-        forced = 0
-
-        def forced_one() -> None:
-            nonlocal forced
-            forced += 1
-            feedback.detail(f"{forced}/{len(records)}")
-
-        report = force_records(loaded.model, records, forced_one)
+        report = force_records(loaded.model, records, feedback.counter(len(records)))
     decode = loaded.tokenizer.decode if loaded.tokenizer is not None else None
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_dict(decode), indent=2))
