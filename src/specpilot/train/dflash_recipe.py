@@ -54,6 +54,12 @@ class DFlashRecipe:
         s = settings
         self.anchors, self.gamma = s.anchors, s.gamma
         path = out / "spec.json"
+        if s.init is not None:  # warm start: the given drafter's shape and weights
+            from specpilot.loading.dflash import load_dflash
+
+            net = load_dflash(s.init, target, self.kind, dtype=torch.float32)
+            path.write_text(json.dumps(config_from_spec(net.spec), indent=2))
+            return self._trainable(net)
         if path.is_file():  # resuming: the drafter's shape is the one checkpointed
             spec = spec_from_config(json.loads(path.read_text()), str(path))
         else:
@@ -62,6 +68,9 @@ class DFlashRecipe:
             path.write_text(json.dumps(config_from_spec(spec), indent=2))
         net = DFlashNet(spec, target, torch.float32)
         net.init_random(s.seed, std=0.02, norm_std=0.0)  # norms at 1, as HF initialises them
+        return self._trainable(net)
+
+    def _trainable(self, net: DFlashNet) -> DFlashNet:
         for p in net.parameters():
             p.requires_grad_(True)
         self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)

@@ -75,6 +75,11 @@ class TrainSettings:
     gen_batch: int = 256
     train_prompts: int | None = None
     """Generate responses for at most this many training prompts (None: as time allows)."""
+    first_prompt: int = 0
+    """Skip the training prompts before this one (those an ``init`` drafter was trained on)."""
+    init: str | None = None
+    """Start from this drafter's weights (same kind; its shape replaces ``layers``,
+    ``intermediate`` and ``block``); a checkpoint in ``out`` still wins when resuming."""
     eval_sets: tuple[str, ...] = ("sharegpt", "mt-bench", "humaneval")
     eval_prompts: int = 8
     final_eval_prompts: int = 32
@@ -148,7 +153,8 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
 
     # ---------------------------------------------------------------- prompts and responses
     prompts = D.split_prompts(D.read_sharegpt(s.data))
-    limit = len(prompts.train) if s.train_prompts is None else min(s.train_prompts, len(prompts.train))  # fmt: skip
+    texts = prompts.train[s.first_prompt :]
+    limit = len(texts) if s.train_prompts is None else min(s.train_prompts, len(texts))
 
     def encode(text: str) -> list[int] | None:
         ids = tok.apply_chat_template([{"role": "user", "content": text}])
@@ -159,7 +165,7 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
     if store.next_prompt < limit and time.monotonic() < gen_deadline:
         cap = s.max_prompt + s.max_new + 64
         D.generate_responses(
-            lambda: Engine(target, graphs=graphs, capacity=cap), store, prompts.train[:limit],
+            lambda: Engine(target, graphs=graphs, capacity=cap), store, texts[:limit],
             encode, eos, s.max_new, s.gen_batch, gen_deadline, show,
         )  # fmt: skip
     samples = store.load()
