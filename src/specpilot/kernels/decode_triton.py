@@ -15,11 +15,11 @@ from torch import Tensor
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, x_row_stride, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / n_cols
     h = (xf * tl.rsqrt(var + eps)).to(x.dtype)
@@ -29,10 +29,15 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``x [M, N]`` contiguous → ``[M, N]``."""
+    """``x [M, N]`` with unit column stride (rows may be strided: a draft model normalises
+    every second row of a width-2 forward in place) → contiguous ``[M, N]``."""
     m, n = x.shape
-    out = torch.empty_like(x)
-    _rms_norm_kernel[(m,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(m,)](
+        x, x.stride(0), weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8
+    )
     return out
 
 
@@ -261,7 +266,8 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
-    """``gate_up [M, 2I]`` contiguous → ``[M, I]``."""
+    """``gate_up [M, 2I]`` → ``[M, I]``."""
+    gate_up = gate_up.contiguous()
     m, two_i = gate_up.shape
     inter = two_i // 2
     out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device)
