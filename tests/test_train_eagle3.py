@@ -60,10 +60,12 @@ def training_fwd(recipe: Eagle3Recipe) -> Forward:
 def test_draft_vocab_is_the_most_frequent_response_tokens() -> None:
     samples = [Sample([9, 9, 9, 9, 5, 5, 7, 3], 4), Sample([9, 9, 7, 5, 7], 2)]
     # responses: 5 5 7 3 | 7 5 7 → 7: 3, 5: 3, 3: 1; the prompt's 9s do not count
-    assert draft_vocab(samples, 12, 2).tolist() == [5, 7]
-    assert draft_vocab(samples, 12, 3).tolist() == [3, 5, 7]
-    assert draft_vocab(samples, 12, 5).tolist() == [0, 1, 3, 5, 7]  # filled by lowest unseen ids
-    assert draft_vocab(samples, 12, 12).tolist() == list(range(12))  # the full vocabulary
+    ids, share = draft_vocab(samples, 12, 2)
+    assert ids.tolist() == [5, 7] and share == pytest.approx(6 / 7)
+    ids, share = draft_vocab(samples, 12, 3)
+    assert ids.tolist() == [3, 5, 7] and share == 1.0
+    assert draft_vocab(samples, 12, 5)[0].tolist() == [0, 1, 3, 5, 7]  # then lowest unseen ids
+    assert draft_vocab(samples, 12, 12)[0].tolist() == list(range(12))  # the full vocabulary
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

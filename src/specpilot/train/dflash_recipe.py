@@ -68,7 +68,7 @@ class DFlashRecipe:
         self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)
         return net
 
-    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> None:
+    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> str | None:
         return None  # the data decides nothing of a DFlash drafter
 
     def hidden_layers(self, net: nn.Module) -> tuple[int, ...]:

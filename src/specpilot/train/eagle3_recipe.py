@@ -56,15 +56,17 @@ STEP_DECAY = 0.8
 VOCAB_FILE = "draft_vocab.json"
 
 
-def draft_vocab(samples: Sequence[Sample], vocab_size: int, n: int) -> Tensor:
-    """The ``n`` most frequent response tokens, as sorted target ids ``[n]`` int64."""
+def draft_vocab(samples: Sequence[Sample], vocab_size: int, n: int) -> tuple[Tensor, float]:
+    """The ``n`` most frequent response tokens as sorted target ids ``[n]`` int64, and the share
+    of the response tokens they cover."""
     flat = [t for s in samples for t in s.tokens[s.prompt_len :]]
     ids = torch.tensor(flat, dtype=torch.int64)
     if ids.numel() and not bool(((ids >= 0) & (ids < vocab_size)).all()):
         raise SpecPilotError(f"The responses hold token ids outside the target's {vocab_size}.")
     counts = torch.bincount(ids, minlength=vocab_size)  # [V]
     order = torch.argsort(counts, descending=True, stable=True)  # ties: lower id first
-    return order[:n].sort().values
+    chosen = order[:n].sort().values
+    return chosen, float(counts[chosen].sum()) / max(1, ids.numel())
 
 
 def ttt_layout(batch: int, s: int, step: int, groups: int, device: torch.device) -> DenseLayout:
@@ -196,7 +198,7 @@ class Eagle3Recipe:
         self._fwd = Forward(net, use_triton=False, fuse_residual=False)
         return net
 
-    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> None:
+    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> str | None:
         """The draft vocabulary from the responses, or the one an earlier run chose."""
         assert isinstance(net, Eagle3Net)
         vd, path = net.spec.draft_vocab_size, out / VOCAB_FILE
@@ -204,10 +206,13 @@ class Eagle3Recipe:
             ids = torch.tensor(json.loads(path.read_text())["target_ids"], dtype=torch.int64)
             if ids.shape != (vd,):
                 raise CheckpointError(f"{path} lists {ids.numel()} draft tokens, not {vd}.")
+            line = f"draft vocabulary: the {vd:,} tokens of {path}"
         else:
-            ids = draft_vocab(samples, net.spec.vocab_size, vd)
-            write_text_atomic(path, json.dumps({"target_ids": ids.tolist()}) + "\n")
+            ids, share = draft_vocab(samples, net.spec.vocab_size, vd)
+            write_text_atomic(path, json.dumps({"target_ids": ids.tolist(), "coverage": share}) + "\n")  # fmt: skip
+            line = f"draft vocabulary: {vd:,} tokens, {100 * share:.2f}% of the response tokens"
         net.set_vocab((ids - torch.arange(vd)).to(net.d2t.device))
+        return line
 
     def hidden_layers(self, net: nn.Module) -> tuple[int, ...]:
         assert isinstance(net, Eagle3Net)

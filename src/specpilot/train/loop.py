@@ -179,7 +179,9 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
         raise SpecPilotError("No responses were generated; give more --minutes.")
     tokens_total = sum(len(x.tokens) for x in samples)
     show(f"{len(samples):,} training sequences, {tokens_total:,} tokens", True)
-    recipe.fit(net, samples, s.out)
+    fitted = recipe.fit(net, samples, s.out)
+    if fitted:
+        show(fitted, True)
 
     def held_out(n: int) -> dict[str, list[list[int]]]:
         from specpilot.bench.prompts import load_prompt_set

@@ -50,10 +50,10 @@ class Recipe(Protocol):
         holds the shape of an earlier run (resuming), that shape."""
         ...
 
-    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> None:
+    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> str | None:
         """Set what the training data decides before the first step (EAGLE-3: the draft
-        vocabulary), keeping it in ``out`` so that a resumed run keeps it too; most kinds have
-        nothing to fit."""
+        vocabulary), keeping it in ``out`` so that a resumed run keeps it too; a line for the
+        log, or None (most kinds have nothing to fit)."""
         ...
 
     def hidden_layers(self, net: nn.Module) -> tuple[int, ...]:
