@@ -100,8 +100,10 @@ def ttt_hidden(
         nxt = torch.cat([ahead, ahead.new_zeros(b, s - ahead.shape[1])], dim=1)  # [b, S] x_{i+1+k}
         # A fresh cache per step (earlier steps' K/V copied in): attention saved for the backward
         # pass keeps reading what it read.
-        kc = torch.cat([*ks, torch.zeros(shape, device=dev)], dim=2)  # [b, H_kv, (k+1)S, D]
-        vc = torch.cat([*vs, torch.zeros(shape, device=dev)], dim=2)
+        kc = torch.cat([*ks, torch.zeros(shape, dtype=torch.float32, device=dev)], dim=2)
+        vc = torch.cat(
+            [*vs, torch.zeros(shape, dtype=torch.float32, device=dev)], dim=2
+        )  # [b, H_kv, (k+1)S, D]
         cache = KVCache([kc], [vc], torch.zeros(b, dtype=torch.int64))
         g = net.step(fwd, g, nxt.reshape(-1), cache, ttt_layout(b, s, k, fwd.groups, dev))
         ks.append(kc[:, :, k * s :])
