@@ -91,7 +91,7 @@ def ttt_hidden(
     _, b, s, _ = aux.shape
     cfg, dev = net.cfg, tokens.device
     g = net.features(aux.to(net.dtype)).reshape(b * s, -1).float()  # fp32 residual under autocast
-    shape = (b, cfg.num_kv_heads, s, cfg.head_dim)
+    empty = torch.zeros(b, cfg.num_kv_heads, s, cfg.head_dim, dtype=torch.float32, device=dev)
     ks: list[Tensor] = []
     vs: list[Tensor] = []
     outs: list[Tensor] = []
@@ -100,10 +100,8 @@ def ttt_hidden(
         nxt = torch.cat([ahead, ahead.new_zeros(b, s - ahead.shape[1])], dim=1)  # [b, S] x_{i+1+k}
         # A fresh cache per step (earlier steps' K/V copied in): attention saved for the backward
         # pass keeps reading what it read.
-        kc = torch.cat([*ks, torch.zeros(shape, dtype=torch.float32, device=dev)], dim=2)
-        vc = torch.cat(
-            [*vs, torch.zeros(shape, dtype=torch.float32, device=dev)], dim=2
-        )  # [b, H_kv, (k+1)S, D]
+        kc = torch.cat([*ks, empty], dim=2)  # [b, H_kv, (k+1)S, D]
+        vc = torch.cat([*vs, empty], dim=2)
         cache = KVCache([kc], [vc], torch.zeros(b, dtype=torch.int64))
         g = net.step(fwd, g, nxt.reshape(-1), cache, ttt_layout(b, s, k, fwd.groups, dev))
         ks.append(kc[:, :, k * s :])
