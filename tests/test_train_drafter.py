@@ -191,3 +191,31 @@ def test_train_drafter_warm_starts_from_a_drafter_on_later_prompts(tmp_path: Pat
     got_prompts = [s.tokens[: s.prompt_len] for s in ResponseStore(tmp_path / "b" / "responses", 10).load()]  # fmt: skip
     want_prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts[8:14]]
     assert got_prompts == [list(p) for p in want_prompts]
+
+
+def test_checkpoint_splits_big_tensors_and_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor bigger than a shard goes as row blocks; weights and AdamW state come back."""
+    from safetensors import safe_open
+
+    import specpilot.train.checkpoint as ck
+
+    monkeypatch.setattr(ck, "SHARD_BYTES", 4000)
+    net = torch.nn.Linear(40, 30)  # weight: 4800 bytes, more than a shard
+    opt = torch.optim.AdamW(net.parameters())
+    net(torch.randn(2, 40)).sum().backward()
+    opt.step()
+    folder = ck.save_checkpoint(tmp_path, net, opt, {"step": 1})
+    keys = []
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as sf:
+            keys += list(sf.keys())
+            assert sum(sf.get_tensor(k).numel() * 4 for k in sf.keys()) <= 4000  # noqa: SIM118
+    assert "model/weight@0" in keys and "model/weight" not in keys
+    other = torch.nn.Linear(40, 30)
+    opt2 = torch.optim.AdamW(other.parameters())
+    assert ck.load_checkpoint(tmp_path, other, opt2) == {"step": 1}
+    assert torch.equal(other.weight, net.weight) and torch.equal(other.bias, net.bias)
+    a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(a[i]["exp_avg"], b[i]["exp_avg"]) for i in a)

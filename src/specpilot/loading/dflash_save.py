@@ -4,22 +4,14 @@ config.json in z-lab's keys, and the weights under their published names, bf16 b
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from specpilot.loading.dflash import (
-    ARCHITECTURES,
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    _pairs,
-    expected_shapes,
-)
+from specpilot.loading.dflash import ARCHITECTURES, _pairs, expected_shapes
+from specpilot.loading.save_dir import save_safetensors_dir
 from specpilot.models.dflash import DFlashNet, DFlashSpec
 
 
@@ -93,50 +85,5 @@ def save_dflash(net: DFlashNet, out: str | Path, dtype: torch.dtype = torch.bflo
     """Write ``net`` as a loadable checkpoint: config.json and model.safetensors (or shards
     under ``SHARD_BYTES`` with model.safetensors.index.json), each file written beside its name
     and renamed into place; weights files of an earlier save that are not rewritten go."""
-    from safetensors.torch import save_file
-
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    tensors = dflash_tensors(net, dtype)
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += n
-    names = (
-        [WEIGHTS_NAME]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
     cfg = config_from_spec(net.spec) | {"torch_dtype": str(dtype).removeprefix("torch.")}
-    files: list[tuple[str, Any]] = [
-        (fname, lambda p, sh=shard: save_file(sh, p, {"format": "pt"}))
-        for fname, shard in zip(names, shards, strict=True)
-    ]
-    index = {
-        "metadata": {},
-        "weight_map": {n: f for f, sh in zip(names, shards, strict=True) for n in sh},
-    }
-    if len(shards) > 1:
-        files.append((INDEX_NAME, lambda p: Path(p).write_text(json.dumps(index, indent=2))))
-    files.append(("config.json", lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n")))
-    for stale in root.glob("model*.safetensors*"):
-        if stale.name not in names and stale.name != INDEX_NAME:
-            stale.unlink()
-    if len(shards) == 1 and (root / INDEX_NAME).exists():
-        (root / INDEX_NAME).unlink()
-    for name, write in files:
-        fd, part = tempfile.mkstemp(prefix=name + ".", suffix=".part", dir=root)
-        os.close(fd)
-        try:
-            write(part)
-            os.chmod(part, 0o644)
-            os.replace(part, root / name)
-        finally:
-            if os.path.exists(part):
-                os.unlink(part)
-    return root
+    return save_safetensors_dir(out, cfg, dflash_tensors(net, dtype), SHARD_BYTES)

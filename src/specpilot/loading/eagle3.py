@@ -192,16 +192,12 @@ def read_eagle3_dir(root: Path, target: ModelConfig) -> tuple[Eagle3Spec, dict[s
     return spec, tensors
 
 
-def load_eagle3(
-    path: str | Path, target: Transformer, dtype: torch.dtype | None = None
-) -> Eagle3Net:
-    """The network of checkpoint ``path`` on ``target``'s device (in its dtype by default)."""
-    root = Path(path).expanduser()
-    spec, t = read_eagle3_dir(root, target.cfg)
-    net = Eagle3Net(spec, target, dtype)
+def weight_pairs(net: Eagle3Net) -> list[tuple[Tensor, list[str]]]:
+    """Each of ``net``'s matrices (the lm_head aside) and the published tensors fused into it,
+    in row order (what the loader concatenates and the writer splits back)."""
     a, m = "midlayer.self_attn.", "midlayer."
     layer = net.midlayer
-    pairs: list[tuple[Tensor, list[str]]] = [
+    return [
         (net.fc, ["fc.weight"]),
         (layer.input_norm, [m + "hidden_norm.weight"]),
         (net.embed_norm, [m + "input_layernorm.weight"]),
@@ -212,8 +208,17 @@ def load_eagle3(
         (layer.w_down, [m + "mlp.down_proj.weight"]),
         (net.final_norm, ["norm.weight"]),
     ]
+
+
+def load_eagle3(
+    path: str | Path, target: Transformer, dtype: torch.dtype | None = None
+) -> Eagle3Net:
+    """The network of checkpoint ``path`` on ``target``'s device (in its dtype by default)."""
+    root = Path(path).expanduser()
+    spec, t = read_eagle3_dir(root, target.cfg)
+    net = Eagle3Net(spec, target, dtype)
     with torch.no_grad():
-        for dst, names in pairs:
+        for dst, names in weight_pairs(net):
             dst.copy_(torch.cat([t[n] for n in names], dim=0))
         head = t.get("lm_head.weight")
         net.draft_head.copy_(head if head is not None else target.lm_head)
@@ -225,4 +230,10 @@ def load_eagle3(
     return net
 
 
-__all__ = ["check_compatible", "load_eagle3", "read_eagle3_dir", "spec_from_config"]
+__all__ = [
+    "check_compatible",
+    "load_eagle3",
+    "read_eagle3_dir",
+    "spec_from_config",
+    "weight_pairs",
+]

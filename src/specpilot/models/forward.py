@@ -233,15 +233,17 @@ class Forward(Generic[NetT]):
         hidden_out: Tensor | None = None,  # [len(hidden_layers), B, >= W, hidden]
     ) -> Tensor:
         """Every layer over the layout's rows; the chosen layers' outputs copied to
-        ``hidden_out`` in block order. Returns the last layer's output ``[M, hidden]``."""
+        ``hidden_out`` in block order (a layer listed twice, as EAGLE-3's default low / mid /
+        high gives on a small target, fills both). Returns the last layer's output."""
         if lay.attn_len > cache.max_seq_len:
             raise ValueError(
                 f"attention length {lay.attn_len} beyond the cache ({cache.max_seq_len})"
             )
         for i, layer in enumerate(self.layers):
             x = self.layer(layer, x, cache.k[i], cache.v[i], lay)
-            if hidden_out is not None and i in hidden_layers:
-                lay.to_block(x, hidden_out[hidden_layers.index(i)])
+            if hidden_out is not None:
+                for j in (j for j, want in enumerate(hidden_layers) if want == i):  # repeats too
+                    lay.to_block(x, hidden_out[j])
         return x
 
     def embed(self, tokens: Tensor) -> Tensor:  # [M] int64 -> [M, hidden]

@@ -19,11 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from specpilot.loading.save_dir import split_shards
+
 SHARD_BYTES = 15_000_000
 LATEST = "latest.json"
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
     fd, part = tempfile.mkstemp(prefix=path.name + ".", suffix=".part", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -33,22 +35,15 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _shards(tensors: dict[str, Tensor]) -> list[dict[str, Tensor]]:
-    out: list[dict[str, Tensor]] = [{}]
-    size = 0
+    """Shards under ``SHARD_BYTES``; a tensor bigger than that goes as row blocks ``name@i``."""
+    parts: dict[str, Tensor] = {}
     for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if out[-1] and size + n > SHARD_BYTES:
-            out.append({})
-            size = 0
-        if n > SHARD_BYTES:  # one tensor bigger than a shard: split it by rows
+        if t.numel() * t.element_size() > SHARD_BYTES:
             rows = max(1, SHARD_BYTES // max(1, t[0].numel() * t.element_size()))
-            for i, part in enumerate(t.split(rows)):
-                out.append({f"{name}@{i}": part.contiguous()})
-            out.append({})
-            continue
-        out[-1][name] = t
-        size += n
-    return [s for s in out if s]
+            parts |= {f"{name}@{i}": p.contiguous() for i, p in enumerate(t.split(rows))}
+        else:
+            parts[name] = t
+    return [s for s in split_shards(parts, SHARD_BYTES) if s]
 
 
 def save_checkpoint(
@@ -77,7 +72,7 @@ def save_checkpoint(
     final = root / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_atomic(root / LATEST, json.dumps({"checkpoint": name, "step": state["step"]}) + "\n")
+    write_text_atomic(root / LATEST, json.dumps({"checkpoint": name, "step": state["step"]}) + "\n")
     for old in root.glob("ckpt-*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)

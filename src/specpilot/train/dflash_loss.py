@@ -24,6 +24,7 @@ from torch import Tensor
 from specpilot.models.dflash import DFlashNet
 from specpilot.models.forward import Forward
 from specpilot.models.layout import DenseLayout
+from specpilot.train.recipe import LossOut
 
 
 @dataclass(slots=True)
@@ -108,13 +109,6 @@ def block_hidden(
         fwd.write_kv(layer, ctx, k[i], v[i], writes)
         x = fwd.layer(layer, x, k[i], v[i], lay)
     return fwd.final_hidden(x)
-
-
-@dataclass(slots=True)
-class LossOut:
-    loss: Tensor  # [] weighted mean CE
-    accuracy: list[float]  # per block row j >= 1: top-1 of the trained rows
-    tokens: int  # trained rows
 
 
 def dflash_loss(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,13 +13,15 @@ from torch import Tensor, nn
 
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.dflash import DFlashDrafter
-from specpilot.models.dflash import DFlashNet, spec_for_target
+from specpilot.models.dflash import DFlashNet, DFlashSpec, spec_for_target
 from specpilot.models.forward import Forward
-from specpilot.train.dflash_loss import LossOut, dflash_loss, make_blocks, sample_anchors
+from specpilot.train.dflash_loss import dflash_loss, make_blocks, sample_anchors
+from specpilot.train.recipe import SPEC_FILE, LossOut, copy_weights, make_trainable, run_spec
 
 if TYPE_CHECKING:
     from specpilot.loading.tokenizer import TextTokenizer
     from specpilot.models.transformer import Transformer
+    from specpilot.train.data import Sample
     from specpilot.train.loop import TrainSettings
 
 MASK_NAMES = ("<|MASK|>", "<mask>", "[MASK]", "<|mask|>")
@@ -39,6 +42,8 @@ def mask_token(tokenizer: TextTokenizer, given: int | None) -> int:
 
 class DFlashRecipe:
     kind = "dflash"
+    default_lr = 6e-4  # SpecForge's DFlash recipe
+    max_grad_norm = 1.0
 
     def __init__(self) -> None:
         self.anchors = 64
@@ -53,28 +58,28 @@ class DFlashRecipe:
 
         s = settings
         self.anchors, self.gamma = s.anchors, s.gamma
-        path = out / "spec.json"
         if s.init is not None:  # warm start: the given drafter's shape and weights
             from specpilot.loading.dflash import load_dflash
+            from specpilot.train.checkpoint import write_text_atomic
 
             net = load_dflash(s.init, target, self.kind, dtype=torch.float32)
-            path.write_text(json.dumps(config_from_spec(net.spec), indent=2))
-            return self._trainable(net)
-        if path.is_file():  # resuming: the drafter's shape is the one checkpointed
-            spec = spec_from_config(json.loads(path.read_text()), str(path))
-        else:
-            mask = mask_token(tokenizer, s.mask_token_id)
-            spec = spec_for_target(target.cfg, s.layers, s.block, mask, s.intermediate)
-            path.write_text(json.dumps(config_from_spec(spec), indent=2))
-        net = DFlashNet(spec, target, torch.float32)
-        net.init_random(s.seed, std=0.02, norm_std=0.0)  # norms at 1, as HF initialises them
-        return self._trainable(net)
+            write_text_atomic(out / SPEC_FILE, json.dumps(config_from_spec(net.spec), indent=2))
+            net.requires_grad_(True)
+            self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)  # fmt: skip
+            return net
 
-    def _trainable(self, net: DFlashNet) -> DFlashNet:
-        for p in net.parameters():
-            p.requires_grad_(True)
+        def new() -> DFlashSpec:
+            mask = mask_token(tokenizer, s.mask_token_id)
+            return spec_for_target(target.cfg, s.layers, s.block, mask, s.intermediate or 640)
+
+        spec = run_spec(out, spec_from_config, new, config_from_spec)
+        net = DFlashNet(spec, target, torch.float32)
+        make_trainable(net, s.seed)
         self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)
         return net
+
+    def fit(self, net: nn.Module, samples: Sequence[Sample], out: Path) -> str | None:
+        return None  # the data decides nothing of a DFlash drafter
 
     def hidden_layers(self, net: nn.Module) -> tuple[int, ...]:
         assert isinstance(net, DFlashNet)
@@ -103,9 +108,7 @@ class DFlashRecipe:
 
     def sync(self, drafter: Drafter, net: nn.Module) -> None:
         assert isinstance(drafter, DFlashDrafter)
-        with torch.no_grad():
-            for dst, src in zip(drafter.net.parameters(), net.parameters(), strict=True):
-                dst.copy_(src)
+        copy_weights(drafter.net, net)
 
     def save(self, net: nn.Module, out: Path) -> Path:
         from specpilot.loading.dflash_save import save_dflash

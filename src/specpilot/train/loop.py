@@ -1,23 +1,25 @@
-"""Train a DFlash drafter for a target: regenerate responses, then the block loss on online
-target features, under a wall-clock budget, resumable, with a progress line and held-out τ.
+"""Train a learned drafter (DFlash or EAGLE-3) for a target: regenerate responses, then the
+kind's loss on online target features, under a wall-clock budget, resumable, with a progress
+line and held-out τ.
 
 Phases (each bounded, each resumable after a kill):
 
 1. **responses** — ShareGPT's first human turns through the target's chat template, answered by
    the target greedily in batches (``train/data.py``), into ``<out>/responses`` until the
-   generation budget or the prompt limit is reached;
+   generation budget or the prompt limit is reached; then the recipe fits what the data decides
+   (EAGLE-3: its draft vocabulary), kept in ``<out>``;
 2. **training** — per step a batch of prompt+response sequences; the target runs once over them
-   (no grad) for the hidden states of the drafter's ``target_layer_ids``; DFlash's block loss
-   (``train/dflash_loss.py``) under bf16 autocast on a GPU; AdamW, warm-up then cosine decay over
-   the step or time budget, gradient clipping. Every ``checkpoint_s`` an atomic checkpoint
-   (``train/checkpoint.py``: weights, optimizer, step, epoch and position in the epoch);
-3. **result** — ``<out>/drafter`` in the published DFlash format (config.json + safetensors,
+   (no grad) for the hidden states of the layers the recipe reads; the recipe's loss (DFlash's
+   block loss, ``train/dflash_loss.py``; EAGLE-3's TTT loss, ``train/eagle3_recipe.py``) under
+   bf16 autocast on a GPU; AdamW, warm-up then cosine decay over the step or time budget,
+   gradient clipping. Every ``checkpoint_s`` an atomic checkpoint (``train/checkpoint.py``:
+   weights, optimizer, step, epoch and position in the epoch);
+3. **result** — ``<out>/drafter`` in the kind's published format (config.json + safetensors,
    bf16), loaded back by the loader the commands use, and its τ on the held-out sets measured
    by the real engine (``train/evaluate.py``); ``<out>/report.json``.
 
 What is particular to a drafter kind (its network, loss and format) is its recipe
-(``train/recipe.py``; DFlash: ``train/dflash_recipe.py``); data, features, schedule,
-checkpoints, budget and τ are shared.
+(``train/recipe.py``); data, features, schedule, checkpoints, budget and τ are shared.
 """
 
 from __future__ import annotations
@@ -62,13 +64,16 @@ class TrainSettings:
     """Share of ``minutes`` that response generation may take."""
     steps: int | None = None
     layers: int = 4
-    intermediate: int = 640
+    """DFlash: drafter layers (EAGLE-3 has one midlayer)."""
+    intermediate: int | None = None
+    """Drafter MLP width; None: the kind's default (DFlash 640, EAGLE-3 the target's)."""
     block: int = 16
     anchors: int = 64
     gamma: float = 7.0
     batch: int = 16
     seq_len: int = 768
-    lr: float = 6e-4
+    lr: float | None = None
+    """Peak AdamW learning rate; None: the kind's (DFlash 6e-4, EAGLE-3 1e-4)."""
     warmup: int = 100
     max_prompt: int = 384
     max_new: int = 320
@@ -87,6 +92,10 @@ class TrainSettings:
     eval_every_s: float = 150.0
     checkpoint_s: float = 60.0
     mask_token_id: int | None = None
+    draft_vocab: int | None = None
+    """EAGLE-3: draft vocabulary size (the most frequent response tokens); None: min(16000, V)."""
+    ttt_length: int = 7
+    """EAGLE-3: unrolled training-time-test steps per position."""
     seed: int = 0
     graphs: bool | None = None
 
@@ -99,6 +108,12 @@ class TrainSettings:
             raise SpecPilotError("Give --minutes or --steps (or both) to bound the training.")
         if self.block < 2 or self.anchors < 1 or self.batch < 1:
             raise SpecPilotError("--block must be at least 2, --anchors and --batch at least 1.")
+        if self.ttt_length < 1 or (self.draft_vocab is not None and self.draft_vocab < 1):
+            raise SpecPilotError("--ttt-length and --draft-vocab must be at least 1.")
+        if self.init is not None and self.kind != "dflash":
+            raise SpecPilotError("--init warm-starts DFlash drafters only.")
+        if self.first_prompt < 0:
+            raise SpecPilotError("--first-prompt must be at least 0.")
 
 
 def smoke(settings: TrainSettings) -> TrainSettings:
@@ -106,6 +121,7 @@ def smoke(settings: TrainSettings) -> TrainSettings:
     return replace(
         settings, device="cpu", dtype="fp32", steps=settings.steps or 3, layers=1,
         intermediate=64, block=4, anchors=4, batch=2, seq_len=64, max_prompt=48, max_new=12,
+        ttt_length=min(settings.ttt_length, 3),
         gen_batch=4, train_prompts=settings.train_prompts or 6, eval_prompts=1,
         final_eval_prompts=2, eval_new=8, eval_every_s=1e9, warmup=1, graphs=False,
     )  # fmt: skip
@@ -173,6 +189,9 @@ def train(settings: TrainSettings, log: Callable[..., None] | None = None) -> di
         raise SpecPilotError("No responses were generated; give more --minutes.")
     tokens_total = sum(len(x.tokens) for x in samples)
     show(f"{len(samples):,} training sequences, {tokens_total:,} tokens", True)
+    fitted = recipe.fit(net, samples, s.out)
+    if fitted:
+        show(fitted, True)
 
     def held_out(n: int) -> dict[str, list[list[int]]]:
         from specpilot.bench.prompts import load_prompt_set
@@ -233,7 +252,8 @@ def _train_steps(
     device = target.device
     autocast = device.type == "cuda" and target.dtype != torch.float32
     layers = recipe.hidden_layers(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    peak = recipe.default_lr if s.lr is None else s.lr
+    opt = torch.optim.AdamW(net.parameters(), lr=peak, betas=(0.9, 0.95), weight_decay=0.01)
     ckpts = s.out / "checkpoints"
     state = load_checkpoint(ckpts, net, opt) or {"step": 0, "epoch": 0, "pos": 0, "tau": {}}
     if state["step"]:
@@ -257,7 +277,7 @@ def _train_steps(
                 break
             frac = state["step"] / s.steps if s.steps is not None else time_frac()
             warm = min(1.0, (state["step"] + 1) / max(1, s.warmup))
-            lr = s.lr * warm * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(frac, 1.0))))
+            lr = peak * warm * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(frac, 1.0))))
             for g in opt.param_groups:
                 g["lr"] = lr
             tokens, mask = tokens.to(device), mask.to(device)
@@ -269,7 +289,7 @@ def _train_steps(
                 res = recipe.loss(net, hidden, tokens, mask, gen)
             opt.zero_grad(set_to_none=True)
             res.loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), recipe.max_grad_norm)
             opt.step()
             state["step"], state["pos"] = state["step"] + 1, pos
             lv, acc1 = float(res.loss.detach()), (res.accuracy[0] if res.accuracy else math.nan)
