@@ -24,7 +24,7 @@ if [ "$part" = diag ]; then
   TAIL=14 step pytest 200 python3 -m pytest -q -p no:cacheprovider tests/test_gate.py tests/test_graphs.py -k "cuda or graphs"
 fi
 if [ "$part" = tests ]; then
-  TAIL=14 step pytest_cuda 300 python3 -m pytest -q -p no:cacheprovider tests/test_scheduler.py tests/test_serve_worker.py tests/test_dflash.py tests/test_eagle3.py tests/test_engine.py -k "cuda or graphs"
+  TAIL=14 step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider tests/test_dflash.py tests/test_eagle3.py tests/test_graphs.py tests/test_gate.py -k "cuda" -x
 fi
 if [ "$part" = train ]; then
   [ -f "$GGUF" ] || cat /tmp/keep/gz1 /tmp/keep/gz2 /tmp/keep/gz3 | xz -d -T0 > "$GGUF"
