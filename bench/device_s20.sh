@@ -27,7 +27,7 @@ if [ "$part" = tests ]; then
   TAIL=14 step pytest_cuda 240 python3 -m pytest -q -p no:cacheprovider tests/test_dflash.py tests/test_eagle3.py tests/test_graphs.py tests/test_gate.py -k "cuda" -x
 fi
 if [ "$part" = train ]; then
-  [ -f "$GGUF" ] || cat /tmp/keep/gz1 /tmp/keep/gz2 /tmp/keep/gz3 | xz -d -T0 > "$GGUF"
+  [ -s "$GGUF" ] || cat /tmp/keep/gz1 /tmp/keep/gz2 /tmp/keep/gz3 | xz -d -T0 > "$GGUF"
   sha256sum "$GGUF" | cut -c1-16
   TAIL=30 step train ${TRAIN_LIMIT:-560} $SP train-drafter --target smollm2-135m --kind dflash --device cuda --dtype bf16 --minutes ${MINUTES:-9} --out /tmp/drafter-run --data /tmp/keep/sharegpt_human.json.gz ${TRAIN_ARGS:-}
   mkdir -p "$out/drafter" && cp -r /tmp/drafter-run/drafter/. "$out/drafter/" && cp /tmp/drafter-run/report.json "$out/" 2>/dev/null
