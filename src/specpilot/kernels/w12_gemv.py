@@ -32,7 +32,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -298,7 +297,9 @@ def _x_words(x: Tensor) -> Tensor:  # [M, K] bf16 -> [M, ceil(K/4) * 4] bf16, in
     k = x.shape[1]
     if k % 4 == 0 and x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
         return x
-    return F.pad(x, (0, (-k) % 4)).contiguous()
+    out = x.new_zeros(x.shape[0], k + (-k) % 4)
+    out[:, :k] = x
+    return out
 
 
 def _launch(
