@@ -225,6 +225,25 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             assert row["prmt_equals_ops"] is True  # the interpreter runs the ops decode for both
 
 
+def test_v3_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
+    stdout = run_interpreted(
+        [str(ROOT / "bench" / "w12_v3_gpu.py"), "--tiny", "--out", str(tmp_path)], timeout=300
+    )
+    assert "proposed kernels/w12_linear.py CHOSEN" in stdout
+    result = json.loads((tmp_path / "w12_v3_gpu.json").read_text())
+    rows = result["shapes"]["a"]["rows"]
+    for m, row in rows.items():
+        expect = ("cublas", "bf16_dot", "v2", "v3_dot") + (
+            ("bf16_gemv", "v3_gemv") if m == "1" else ()
+        )
+        for v in expect:
+            assert "us" in row[v], (m, v, row[v])
+            assert row[v].get("err_over_bound", 0.0) <= 1.0, (m, v)
+            assert row[v].get("ptx_equals_ops", True), (m, v)
+    assert result["summary"]["1"]["table"]["kernel"] in ("gemv", "dot")
+    assert set(result["e2e"]["widths"]) == {"1", "16"}, result["e2e"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX decode needs a CUDA GPU")
 def test_prmt_decode_on_gpu() -> None:
     """The inline-PTX decode gives bit for bit the plain decode's output, within the bound."""
