@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from w12_gpu import LLAMA3_8B, copy_bandwidth, error_ratio, time_calls
 
 from specpilot.bench.records import git_rev
+from specpilot.costmodel.weight_format import predicted_w12_forward_s
 from specpilot.kernels.w12_gemm import (
     GemmConfig,
     bf16_matmul,
@@ -249,7 +250,14 @@ def e2e(dev: torch.device, kernel: dict[str, Any], tiny: bool) -> dict[str, Any]
                 target.cfg.num_layers * (row["cublas"] - row[kernel[str(w)]["best_w12"]]) * 1e-6
             )
             pred = stock[w] - saving
-        out["widths"][str(w)] = {"stock_ms": 1e3 * stock[w], "w12_ms": 1e3 * w12[w],
+        eff = kernel.get(str(w), {}).get("table", {}).get("roofline_frac")
+        cm = None
+        if eff and "cublas" in row and not tiny:  # the cost model at the measured efficiency
+            cub = [kernel["_shapes"][s]["rows"][str(w)]["cublas"]["us"] * 1e-6 for s in LLAMA3_8B]
+            cm = predicted_w12_forward_s(stock[w], target.cfg.num_layers, LLAMA3_8B.values(), w,
+                                         cub, kernel["_copy_bw"], eff)  # fmt: skip
+        out["widths"][str(w)] = {"costmodel_w12_ms": None if cm is None else 1e3 * cm,
+                                 "stock_ms": 1e3 * stock[w], "w12_ms": 1e3 * w12[w],
                                  "speedup": stock[w] / w12[w],
                                  "predicted_w12_ms": None if pred is None else 1e3 * pred,
                                  "predicted_speedup": None if pred is None else stock[w] / pred}  # fmt: skip
@@ -287,8 +295,10 @@ def table(res: dict[str, Any]) -> str:
             )
     for w, r in res.get("e2e", {}).get("widths", {}).items():
         p = r["predicted_speedup"]
+        cm = r["costmodel_w12_ms"]
+        cm_s = f"  cost model {r['stock_ms'] / cm:.3f}x" if cm else ""
         lines.append(f"e2e forward width {w:>2}: stock {r['stock_ms']:.3f} ms  W12 {r['w12_ms']:.3f} ms  "
-                     f"x{r['speedup']:.3f}  predicted x{p:.3f}" if p else f"e2e width {w}: x{r['speedup']:.3f}")  # fmt: skip
+                     f"x{r['speedup']:.3f}  predicted (kernel times) x{p:.3f}{cm_s}" if p else f"e2e width {w}: x{r['speedup']:.3f}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -340,7 +350,8 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=1))
     if not args.no_e2e:
         try:
-            res["e2e"] = e2e(dev, res["summary"], args.tiny)
+            ctx = {**res["summary"], "_shapes": res["shapes"], "_copy_bw": copy_bw}
+            res["e2e"] = e2e(dev, ctx, args.tiny)
         except Exception as e:
             res["e2e"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
     res["wall_s"] = time.perf_counter() - started

@@ -556,3 +556,21 @@ if __name__ == "__main__":
         "stats": _group_stats,
     }
     groups[sys.argv[1]]()
+
+
+def test_costmodel_w12_time_uses_the_measured_efficiency() -> None:
+    from specpilot.costmodel.weight_format import predicted_w12_forward_s, w12_linear_s
+
+    bw = 4.0e12
+    t = w12_linear_s(4096, 4096, 1, bw, 0.8)
+    assert t == pytest.approx((1.5 * 4096 * 4096 + 2 * 8192) / (0.8 * bw))
+    padded = w12_linear_s(4096, 4032, 1, bw, 1.0)
+    assert w12_linear_s(4096, 4000, 1, bw, 1.0) == pytest.approx(padded, rel=1e-4)  # rows padded
+    shapes = [(4096, 4096), (28672, 4096)]
+    bf16 = [2 * n * k / (0.9 * bw) for n, k in shapes]
+    pred = predicted_w12_forward_s(5e-3, 32, shapes, 1, bf16, bw, efficiency=0.8)
+    assert pred is not None and 4e-3 < pred < 5e-3
+    slower = predicted_w12_forward_s(5e-3, 32, shapes, 1, bf16, bw, efficiency=0.5)
+    assert slower is not None and slower > 5e-3  # a slow kernel predicts a loss
+    with pytest.raises(ValueError, match="positive"):
+        w12_linear_s(1, 1, 1, bw, 0.0)
