@@ -42,20 +42,52 @@ def from_bits(b: torch.Tensor) -> torch.Tensor:  # int64 values in [0, 65535] ->
     return b.to(torch.int32).to(torch.int16).view(torch.bfloat16)
 
 
-def assert_round_trip(w: torch.Tensor) -> W12Tensor:
-    t = encode(w)
+def assert_round_trip(w: torch.Tensor, layout: str = "v3") -> W12Tensor:
+    t = encode(w, layout)
     assert torch.equal(bits_of(decode(t)), bits_of(w))
     return t
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 7), (17, 33), (33, 64), (64, 129)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_round_trip_random_bit_patterns(shape: tuple[int, int], seed: int) -> None:
+@pytest.mark.parametrize("layout", ["v3", "v2"])
+def test_round_trip_random_bit_patterns(shape: tuple[int, int], seed: int, layout: str) -> None:
     g = torch.Generator().manual_seed(seed)
     w = from_bits(torch.randint(0, 1 << 16, shape, generator=g))
-    t = assert_round_trip(w)
-    assert t.codes.shape == (shape[0], (shape[1] + GROUP - 1) // GROUP * GROUP // 2)
+    t = assert_round_trip(w, layout)
+    kp = (shape[1] + GROUP - 1) // GROUP * GROUP
+    assert t.shape == shape and t.sm.shape == (shape[0], kp) and t.padded_k == kp
+    assert t.codes.shape == (shape[0], kp // 2)
     assert t.esc_offsets.shape == ((shape[0] + ESC_ROWS - 1) // ESC_ROWS + 1,)
+    rows, cols = escape_positions(t)
+    assert torch.equal(bits_of(t.esc_values), bits_of(w)[rows, cols])
+
+
+def escape_positions(t: W12Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of every escape record, in record order."""
+    counts = (t.esc_offsets[1:] - t.esc_offsets[:-1]).to(torch.int64)
+    block = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    pos = t.esc_records.to(torch.int64) >> 8
+    return block * ESC_ROWS + pos // t.k, pos % t.k
+
+
+def test_v3_bytes_hold_mantissa_and_the_partner_sign() -> None:
+    """v3 byte of column k: mantissa << 1 | sign of column k ^ 1; the padding is +0.0."""
+    g = torch.Generator().manual_seed(4)
+    w = from_bits(torch.randint(0, 1 << 16, (5, 70), generator=g))
+    t = assert_round_trip(w)
+    b = bits_of(w).to(torch.int64) & 0xFFFF
+    sign, mant = b >> 15, b & 0x7F
+    sm = t.sm.to(torch.int64)
+    assert torch.equal(sm[:, :70] >> 1, mant)
+    partner = torch.cat([sign, torch.zeros(5, 2, dtype=torch.int64)], 1)[:, :72]
+    partner = partner.view(5, 36, 2).flip(-1).reshape(5, 72)[:, :70]
+    assert torch.equal(sm[:, :70] & 1, partner)
+    assert int(sm[:, 70:].abs().sum()) == 0
+    v2 = encode(w, "v2").sm.to(torch.int64)
+    assert torch.equal(v2[:, :70], (sign << 7) | mant)
+    with pytest.raises(ValueError, match="layout"):
+        encode(w, "v4")
 
 
 def test_round_trip_special_values_and_edge_exponents() -> None:
@@ -169,6 +201,10 @@ def test_kernel_matches_reference_in_interpreter() -> None:
     assert "kernel ok" in _run_group("kernel")
 
 
+def test_gemv_and_v3_dot_match_reference_in_interpreter() -> None:
+    assert "gemv ok" in _run_group("gemv")
+
+
 def test_mechanism_in_interpreter() -> None:
     assert "mechanism ok" in _run_group("mechanism")
 
@@ -189,6 +225,25 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             assert row["prmt_equals_ops"] is True  # the interpreter runs the ops decode for both
 
 
+def test_v3_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
+    stdout = run_interpreted(
+        [str(ROOT / "bench" / "w12_v3_gpu.py"), "--tiny", "--out", str(tmp_path)], timeout=300
+    )
+    assert "proposed kernels/w12_linear.py CHOSEN" in stdout
+    result = json.loads((tmp_path / "w12_v3_gpu.json").read_text())
+    rows = result["shapes"]["a"]["rows"]
+    for m, row in rows.items():
+        expect = ("cublas", "bf16_dot", "v2", "v3_dot") + (
+            ("bf16_gemv", "v3_gemv") if m == "1" else ()
+        )
+        for v in expect:
+            assert "us" in row[v], (m, v, row[v])
+            assert row[v].get("err_over_bound", 0.0) <= 1.0, (m, v)
+            assert row[v].get("ptx_equals_ops", True), (m, v)
+    assert result["summary"]["1"]["table"]["kernel"] in ("gemv", "dot")
+    assert set(result["e2e"]["widths"]) == {"1", "16"}, result["e2e"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX decode needs a CUDA GPU")
 def test_prmt_decode_on_gpu() -> None:
     """The inline-PTX decode gives bit for bit the plain decode's output, within the bound."""
@@ -205,13 +260,45 @@ def test_prmt_decode_on_gpu() -> None:
         (7, 80, 320, GemmConfig(block_n=64, block_k=64, split_k=2, w_as_a=True)),
     ]):  # fmt: skip
         w = _weights(n, k, 20 + i).to(dev)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16).to(dev)
+        counters = counter_buffer(n, dev)
+        for layout in ("v3", "v2"):
+            t = encode(w, layout)
+            y = w12_matmul(x, t, counters, cfg=cfg)
+            y_ops = w12_matmul(x, t, counters, cfg=cfg, prmt=False)
+            assert torch.equal(y, y_ops), (i, layout)
+            assert _error_ratio(y.cpu(), x.cpu(), w.cpu(), None) <= 1.0, (i, layout)
+    from specpilot.kernels.w12_gemv import GemvConfig, w12_gemv
+
+    for i, (m, n, k, gcfg) in enumerate([
+        (1, 96, 200, GemvConfig(block_n=32, block_k=128)),
+        (1, 4096, 4096, GemvConfig(block_n=32, block_k=512)),
+        (2, 64, 512, GemvConfig(block_n=16, block_k=256, split_k=2)),
+        (4, 128, 1024, GemvConfig(block_n=64, block_k=512)),
+    ]):  # fmt: skip
+        w = _weights(n, k, 40 + i).to(dev)
         t = encode(w)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16).to(dev)
         counters = counter_buffer(n, dev)
-        y = w12_matmul(x, t, counters, cfg=cfg)
-        y_ops = w12_matmul(x, t, counters, cfg=cfg, prmt=False)
-        assert torch.equal(y, y_ops), i
+        y = w12_gemv(x, t, counters, cfg=gcfg)
+        assert torch.equal(y, w12_gemv(x, t, counters, cfg=gcfg, ptx=False)), i
         assert _error_ratio(y.cpu(), x.cpu(), w.cpu(), None) <= 1.0, i
+
+
+def test_kernel_table_covers_every_m() -> None:
+    from specpilot.kernels.w12_gemv import MAX_ROWS
+    from specpilot.kernels.w12_linear import CHOSEN, KernelChoice, choice_for
+
+    tops = [top for top, _ in CHOSEN]
+    assert tops == sorted(tops)
+    for m in range(1, 80):
+        c = choice_for(m)
+        assert c.kernel == "dot" or m <= MAX_ROWS
+    bad = ((8, KernelChoice("gemv", gemv=CHOSEN[0][1].gemv)),)
+    with pytest.raises(ValueError, match="at most"):
+        choice_for(8, bad)
+    with pytest.raises(ValueError, match="exactly"):
+        KernelChoice("dot")
 
 
 def test_registered() -> None:
@@ -307,6 +394,76 @@ def _group_kernel() -> None:
     print("kernel ok")
 
 
+def _positioned_escapes(n: int, k: int, seed: int) -> torch.Tensor:
+    """Weight-like values with escapes in every position class: first and last column, both
+    sides of the half-group and group boundaries (31/32, 63/64), the last column of a partial
+    group, the pair partner of an escape, and one 16-row block with more escapes than a program
+    reads per chunk (``w12_gemv.ESC_STEP``)."""
+    w = _weights(n, k, seed).float()
+    special = [1e-30, 3.0, float("-inf"), -1e-41, 0.0, 250.0]
+    cols = sorted({0, 1, 31, 32, 33, 63, 64, 65, k - 2, k - 1} & set(range(k)))
+    for i, c in enumerate(cols):
+        w[i % n, c] = special[i % len(special)]
+        w[(i + 7) % n, c] = -special[(i + 1) % len(special)]
+    busy = min(16, n) - 1  # block 0 gets ~40 more escapes, many in one row
+    idx = torch.randperm(k, generator=torch.Generator().manual_seed(seed))[:40]
+    w[busy, idx] = 5.0
+    return w.to(torch.bfloat16)
+
+
+def _group_gemv() -> None:
+    from specpilot.kernels.w12_gemm import counter_buffer, w12_matmul
+    from specpilot.kernels.w12_gemv import ESC_STEP, GemvConfig, bf16_gemv, w12_gemv
+    from specpilot.kernels.w12_linear import w12_linear
+
+    cases = [  # (M, N, K, config, with bias)
+        (1, 32, 128, GemvConfig(block_n=16, block_k=64), False),
+        (1, 48, 200, GemvConfig(block_n=32, block_k=128), True),  # K % 64 != 0, N % BN != 0
+        (2, 32, 256, GemvConfig(block_n=16, block_k=64, split_k=3), False),
+        (3, 16, 70, GemvConfig(block_n=16, block_k=64), True),
+        (4, 32, 192, GemvConfig(block_n=32, block_k=64, split_k=2), False),
+    ]
+    for i, (m, n, k, cfg, has_bias) in enumerate(cases):
+        w = _positioned_escapes(n, k, i)
+        t = encode(w)
+        per_block = (t.esc_offsets[1:] - t.esc_offsets[:-1]).max()
+        assert int(per_block) > ESC_STEP, "some block must need a second escape chunk"
+        g = torch.Generator().manual_seed(200 + i)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16) if has_bias else None
+        counters = counter_buffer(n, x.device)
+        z = x.double() @ w.double().T
+        finite = z.isfinite().all(dim=0)  # [N] columns without an infinite weight
+        outs = {"gemv": w12_gemv(x, t, counters, bias, cfg=cfg)}
+        if k % 4 == 0:
+            outs["bf16_gemv"] = bf16_gemv(x, w, counters, bias, cfg=cfg)
+        outs["dot"] = w12_matmul(x, t, counters, bias)
+        outs["dispatch"] = w12_linear(x, t, counters, bias)
+        assert int(counters.abs().sum()) == 0, "split-K counters must reset themselves"
+        for name, y in outs.items():
+            assert y.shape == (m, n) and y.dtype == torch.bfloat16
+            assert torch.equal(y.double().isinf(), z.isinf()), (i, name)
+            r = _error_ratio(y[:, finite], x, w[finite], None if bias is None else bias[finite])
+            assert r <= 1.0, (i, name, r)
+        # a strided x (a row slice of a wider buffer, not int64-aligned): padded copy inside
+        wide = torch.zeros(m, k + 3, dtype=torch.bfloat16)
+        wide[:, 1 : k + 1] = x
+        y = w12_gemv(wide[:, 1 : k + 1], t, counters, bias, cfg=cfg)
+        assert torch.equal(bits_of(y), bits_of(outs["gemv"])), i
+    # layout v2 through the tl.dot kernel (the previous kernel, kept for the GPU comparison)
+    w = _positioned_escapes(32, 128, 9)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    z = x.double() @ w.double().T
+    finite = z.isfinite().all(dim=0)
+    y = w12_matmul(x, encode(w, "v2"), counter_buffer(32, x.device))
+    assert _error_ratio(y[:, finite], x, w[finite], None) <= 1.0
+    with pytest.raises(ValueError, match="layout v3"):
+        w12_gemv(x[:1], encode(w, "v2"), counter_buffer(32, x.device))
+    with pytest.raises(ValueError, match=r"1\.\.4 rows"):
+        w12_gemv(x, encode(w), counter_buffer(32, x.device))
+    print("gemv ok")
+
+
 def _group_mechanism() -> None:
     from specpilot.config import ModelConfig
     from specpilot.forcing import force_tokens
@@ -392,5 +549,28 @@ def _group_stats() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    groups = {"kernel": _group_kernel, "mechanism": _group_mechanism, "stats": _group_stats}
+    groups = {
+        "kernel": _group_kernel,
+        "gemv": _group_gemv,
+        "mechanism": _group_mechanism,
+        "stats": _group_stats,
+    }
     groups[sys.argv[1]]()
+
+
+def test_costmodel_w12_time_uses_the_measured_efficiency() -> None:
+    from specpilot.costmodel.weight_format import predicted_w12_forward_s, w12_linear_s
+
+    bw = 4.0e12
+    t = w12_linear_s(4096, 4096, 1, bw, 0.8)
+    assert t == pytest.approx((1.5 * 4096 * 4096 + 2 * 8192) / (0.8 * bw))
+    padded = w12_linear_s(4096, 4032, 1, bw, 1.0)
+    assert w12_linear_s(4096, 4000, 1, bw, 1.0) == pytest.approx(padded, rel=1e-4)  # rows padded
+    shapes = [(4096, 4096), (28672, 4096)]
+    bf16 = [2 * n * k / (0.9 * bw) for n, k in shapes]
+    pred = predicted_w12_forward_s(5e-3, 32, shapes, 1, bf16, bw, efficiency=0.8)
+    assert pred is not None and 4e-3 < pred < 5e-3
+    slower = predicted_w12_forward_s(5e-3, 32, shapes, 1, bf16, bw, efficiency=0.5)
+    assert slower is not None and slower > 5e-3  # a slow kernel predicts a loss
+    with pytest.raises(ValueError, match="positive"):
+        w12_linear_s(1, 1, 1, bw, 0.0)

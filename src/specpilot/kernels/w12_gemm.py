@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specpilot.kernels.w12_decode import decode_tile_bits_ops, decode_tiles_bf16_ptx
 from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, GROUP, W12Tensor, decode
 
 ESC_CHUNK = 32
@@ -205,7 +206,7 @@ def _store_tile(
 
 @triton.jit
 def _w12_half(
-    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K, base_col,
+    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, stride_sm, base_col,
     HIGH: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr, PRMT: tl.constexpr,
     W_AS_A: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -213,7 +214,7 @@ def _w12_half(
     ``cb [BN, 32]``; decode them and accumulate ``x[:, kc] @ w[:, kc]^T``."""
     x_mask = m_ok[:, None] & (kc[None, :] < k_hi)
     x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kc[None, :], mask=x_mask, other=0.0)
-    sm_ptrs = sm_ptr + offs_n[:, None] * K + kc[None, :]
+    sm_ptrs = sm_ptr + offs_n[:, None] * stride_sm + kc[None, :]
     if EVEN:
         sm = tl.load(sm_ptrs)
     else:
@@ -238,11 +239,71 @@ def _w12_half(
 
 
 @triton.jit
+def _dot_acc(acc, x, w, USE_DOT: tl.constexpr, W_AS_A: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc += x @ w^T`` for a decoded bf16 tile ``w [BN, C]`` and ``x [BM, C]`` (``W_AS_A``:
+    ``acc^T += w @ x^T``; no dot: the one-row FMA path)."""
+    if USE_DOT and W_AS_A:
+        acc = tl.dot(w, tl.trans(_x_operand(x, INTERPRET)), acc)
+    elif USE_DOT:
+        acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(w), acc)
+    else:
+        acc += _bf16_to_f32(w) * _bf16_to_f32(x)
+    return acc
+
+
+@triton.jit
+def _v3_group(
+    acc, kg, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, stride_sm, base_col,
+    USE_DOT: tl.constexpr, EVEN: tl.constexpr, PRMT: tl.constexpr, W_AS_A: tl.constexpr,
+    GROUP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One 64-column group in layout v3: decode both halves from ``cb [BN, 32]`` and the two
+    ``sm`` half tiles together (``w12_decode``), accumulate both."""
+    HALF: tl.constexpr = GROUP // 2
+    kc = kg + tl.arange(0, HALF)  # [32] columns of the first half
+    sm_ptrs = sm_ptr + offs_n[:, None] * stride_sm + kc[None, :]
+    w_mask = n_ok[:, None] & (kc[None, :] < k_hi)
+    if EVEN:
+        lo = tl.load(sm_ptrs)
+        hi = tl.load(sm_ptrs + HALF)
+    else:  # columns past K are zero bytes of the padded rows: only rows and the split bound
+        lo = tl.load(sm_ptrs, mask=w_mask, other=0)
+        hi = tl.load(sm_ptrs + HALF, mask=n_ok[:, None] & (kc[None, :] + HALF < k_hi), other=0)
+    x_lo = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + kc[None, :],
+        mask=m_ok[:, None] & (kc[None, :] < k_hi),
+        other=0.0,
+    )
+    x_hi = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + kc[None, :] + HALF,
+        mask=m_ok[:, None] & (kc[None, :] + HALF < k_hi),
+        other=0.0,
+    )
+    if PRMT:  # GPU only: the interpreter cannot run inline PTX
+        base4 = base_col * 0x01010101  # [BN, 1]
+        w_lo, w_hi = decode_tiles_bf16_ptx(lo, hi, cb, base4)
+    else:  # plain ops: the partner columns' bytes (k ^ 1) carry each weight's sign
+        pk = (kc ^ 1)[None, :]
+        p_lo = tl.load(sm_ptr + offs_n[:, None] * stride_sm + pk, mask=n_ok[:, None], other=0)
+        p_hi = tl.load(sm_ptr + offs_n[:, None] * stride_sm + pk + HALF, mask=n_ok[:, None],
+                       other=0)  # fmt: skip
+        b_lo = decode_tile_bits_ops(lo, p_lo, cb, base_col, False)
+        b_hi = decode_tile_bits_ops(hi, p_hi, cb, base_col, True)
+        w_lo = _bits_to_operand(b_lo, INTERPRET)
+        w_hi = _bits_to_operand(b_hi, INTERPRET)
+        if not USE_DOT:
+            w_lo = b_lo.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            w_hi = b_hi.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    acc = _dot_acc(acc, x_lo, w_lo, USE_DOT, W_AS_A, INTERPRET)
+    return _dot_acc(acc, x_hi, w_hi, USE_DOT, W_AS_A, INTERPRET)
+
+
+@triton.jit
 def _k_step(
     acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr, codes_ptr,
-    K, codes_k, base_col, W12: tl.constexpr, USE_DOT: tl.constexpr, EVEN: tl.constexpr,
-    PRMT: tl.constexpr, W_AS_A: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    K, stride_sm, codes_k, base_col, W12: tl.constexpr, V3: tl.constexpr, USE_DOT: tl.constexpr,
+    EVEN: tl.constexpr, PRMT: tl.constexpr, W_AS_A: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_K`` step of the dense loop: load x and the weight tile, decode, accumulate."""
     if W12:  # BLOCK_K // GROUP code groups, each two halves of GROUP // 2 columns
@@ -257,14 +318,20 @@ def _k_step(
                 cb = tl.load(cb_ptrs)  # [BN, 32] uint8
             else:
                 cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
-            acc = _w12_half(
-                acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb, K,
-                base_col, False, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
-            )  # fmt: skip
-            acc = _w12_half(
-                acc, kc + HALF, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr,
-                cb, K, base_col, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
-            )  # fmt: skip
+            if V3:
+                acc = _v3_group(
+                    acc, kg, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb,
+                    stride_sm, base_col, USE_DOT, EVEN, PRMT, W_AS_A, GROUP, INTERPRET,
+                )  # fmt: skip
+            else:
+                acc = _w12_half(
+                    acc, kc, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb,
+                    stride_sm, base_col, False, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
+                )  # fmt: skip
+                acc = _w12_half(
+                    acc, kc + HALF, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr,
+                    cb, stride_sm, base_col, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
+                )  # fmt: skip
     else:
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
         x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
@@ -290,6 +357,7 @@ def _linear_kernel(
     base_ptr,  # [1] int32: the W12 base (loaded, see below)
     off_ptr,  # [ceil(N/16) + 1] int32
     rec_ptr,  # [n_esc] int32
+    val_ptr,  # [n_esc] bf16: the escaped weights (V3)
     bias_ptr,  # [N] bf16 (HAS_BIAS)
     y_ptr,  # [M, N] bf16, row stride stride_ym
     part_ptr,  # [split, M, N] fp32 (split > 1)
@@ -299,11 +367,13 @@ def _linear_kernel(
     K,
     stride_xm,
     stride_ym,
+    stride_sm,  # sm row stride: Kp
     codes_k,
     base,
     k_split,  # columns per split, a multiple of BLOCK_K
     split,  # number of splits (grid dim 2)
     W12: tl.constexpr,
+    V3: tl.constexpr,  # W12 byte layout v3 (w12_decode), else v2
     PRMT: tl.constexpr,  # W12 decode with inline PTX byte permutes (GPU), else plain Triton ops
     W_AS_A: tl.constexpr,  # W12 tile as the dot's A operand (accumulate y^T), else as B
     HAS_BIAS: tl.constexpr,
@@ -341,16 +411,16 @@ def _linear_kernel(
         while k0 < k_hi:
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base_col, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
-                INTERPRET,
+                codes_ptr, K, stride_sm, codes_k, base_col, W12, V3, USE_DOT, EVEN, PRMT, W_AS_A,
+                BLOCK_K, GROUP, INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
     else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, sm_ptr,
-                codes_ptr, K, codes_k, base_col, W12, USE_DOT, EVEN, PRMT, W_AS_A, BLOCK_K, GROUP,
-                INTERPRET,
+                codes_ptr, K, stride_sm, codes_k, base_col, W12, V3, USE_DOT, EVEN, PRMT, W_AS_A,
+                BLOCK_K, GROUP, INTERPRET,
             )  # fmt: skip
     if not USE_DOT:
         acc = tl.reshape(tl.sum(acc, axis=1), (BLOCK_M, BLOCK_N))
@@ -372,9 +442,14 @@ def _linear_kernel(
                 n_e = blk * ESC_BLOCK_ROWS + pos // K  # [E]
                 k_e = pos % K
                 e_ok = (idx < end) & (k_e >= k_lo) & (k_e < k_hi)
-                sme = tl.load(sm_ptr + n_e * K + k_e, mask=e_ok, other=0)
-                sm_bits = sme.to(tl.int8, bitcast=True).to(tl.int32) & 0x807F  # [E]
-                w_bits = sm_bits | ((rec & 0xFF) << 7)  # [E] the escaped weights
+                if V3:  # the escaped weights themselves
+                    val = tl.load(val_ptr + idx, mask=e_ok, other=0.0)
+                    w_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [E]
+                    sm_bits = w_bits & 0x807F
+                else:
+                    sme = tl.load(sm_ptr + n_e * stride_sm + k_e, mask=e_ok, other=0)
+                    sm_bits = sme.to(tl.int8, bitcast=True).to(tl.int32) & 0x807F  # [E]
+                    w_bits = sm_bits | ((rec & 0xFF) << 7)  # [E] the escaped weights
                 hit = (n_e[:, None] == offs_n[None, :]) & e_ok[:, None]  # [E, BN]
                 x_mask = m_ok[:, None] & e_ok[None, :]
                 xg = tl.load(
@@ -416,10 +491,15 @@ class GemmConfig:
     Hopper's ``wgmma`` read it from registers; False: the B operand (``acc += x @ w^T``)."""
 
     def __post_init__(self) -> None:
-        if self.block_n % ESC_ROWS or self.block_n < ESC_ROWS:
-            raise ValueError(f"block_n must be a multiple of {ESC_ROWS}, got {self.block_n}")
-        if self.block_k < 32 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"block_k must be a power of two >= 32, got {self.block_k}")
+        check_tiling(self.block_n, self.block_k, 32)
+
+
+def check_tiling(block_n: int, block_k: int, min_k: int) -> None:
+    """Tiles cover whole 16-row escape blocks and a power-of-two number of columns."""
+    if block_n % ESC_ROWS or block_n < ESC_ROWS:
+        raise ValueError(f"block_n must be a multiple of {ESC_ROWS}, got {block_n}")
+    if block_k < min_k or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= {min_k}, got {block_k}")
 
 
 def default_config(m: int, n: int, k: int) -> GemmConfig:
@@ -496,20 +576,20 @@ def _launch(
         if cfg.block_k % GROUP:
             raise ValueError(f"W12 needs block_k a multiple of {GROUP}, got {cfg.block_k}")
         sm, codes, offs, recs, base = w12.sm, w12.codes, w12.esc_offsets, w12.esc_records, w12.base
-        base_t = w12.base_t
+        base_t, vals = w12.base_t, w12.esc_values
         w_arg: Tensor = sm
         if recs.numel() == 0:
-            recs = offs  # never read (every CSR range is empty) but must be a valid pointer
+            recs, vals = offs, x  # never read (every CSR range is empty) but valid pointers
     else:
         assert w_bf16 is not None
-        w_arg, sm, codes, offs, recs, base = w_bf16, x, x, x, x, 0
+        w_arg, sm, codes, offs, recs, vals, base = w_bf16, x, x, x, x, x, 0
         base_t = counters
     _linear_kernel[grid](
-        x, w_arg, sm, codes, base_t, offs, recs,
+        x, w_arg, sm, codes, base_t, offs, recs, vals,
         bias if bias is not None else x, y, part, counters,
-        m, n, k, x.stride(0), y.stride(0), codes.shape[-1], base, k_split, split,
-        W12=w12 is not None, PRMT=prmt and not interpret, W_AS_A=cfg.w_as_a,
-        HAS_BIAS=bias is not None,
+        m, n, k, x.stride(0), y.stride(0), sm.stride(0), codes.shape[-1], base, k_split, split,
+        W12=w12 is not None, V3=w12 is not None and w12.layout == "v3",
+        PRMT=prmt and not interpret, W_AS_A=cfg.w_as_a, HAS_BIAS=bias is not None,
         USE_DOT=cfg.use_dot, EVEN=even, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP=GROUP, ESC_BLOCK_ROWS=ESC_ROWS, ESC_STEP=ESC_CHUNK, MAX_SPLIT=MAX_SPLIT_K,
         INTERPRET=interpret,

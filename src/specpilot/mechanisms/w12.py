@@ -3,7 +3,9 @@
 In a memory-bound decode or verify step (M = 1..64 rows) a linear layer's time is the time to
 stream its weights; W12 (``w12_format.py``) stores each bf16 weight in 8 + 4 bits plus ≈0.01 bits
 of escape metadata, and the Triton kernel (``kernels/w12_gemm.py``) rebuilds the bf16 values in
-registers, so ~25% fewer bytes cross HBM (cap 16/12 = 1.33×).
+registers, so ~25% fewer bytes cross HBM (cap 16/12 = 1.33×). Which kernel runs for M rows (the
+CUDA-core GEMV or the ``tl.dot`` tiles) and with which tiling is the table in
+``kernels/w12_linear.py``.
 
 Plug point ``linear_weights``: ``apply`` encodes each selected matrix of every decoder layer
 (``w_qkv``, ``w_o``, ``w_gate_up``, ``w_down``), checks ``decode(encode(w))`` against ``w`` bit for
@@ -73,7 +75,7 @@ class W12Linear:
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
-        from specpilot.kernels.w12_gemm import w12_matmul
+        from specpilot.kernels.w12_linear import w12_linear
 
         n, k = self.w12.shape
         x2 = x.reshape(-1, k)  # [M, K]
@@ -81,7 +83,7 @@ class W12Linear:
             return F.linear(x, self.weight, bias)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = w12_matmul(x2, self.w12, self.counters, bias, prmt=self.prmt)  # [M, N]
+        y = w12_linear(x2, self.w12, self.counters, bias, ptx=self.prmt)  # [M, N]
         return y.view(*x.shape[:-1], n)
 
 
@@ -153,7 +155,7 @@ MECHANISM = Mechanism(
             "decoder",
             "prmt",
             choices=("prmt", "ops"),
-            doc="decode 4 weights per step with PTX byte permutes, or with plain Triton integer ops",
+            doc="decode with inline PTX (byte permute + rotate), or with plain Triton integer ops",
         ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),

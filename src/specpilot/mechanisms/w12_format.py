@@ -1,50 +1,62 @@
-"""W12: a lossless ~12-bit storage format for bf16 weight matrices, laid out for a GEMM kernel.
+"""W12: a lossless ~12-bit storage format for bf16 weight matrices, laid out for GEMV/GEMM kernels.
 
 A bf16 is ``sign(1) | exponent(8) | mantissa(7)``. Trained weights use few exponents (all-MiniLM-L6-v2
 cast to bf16: ≈2.66 bits of exponent entropy), so W12 keeps sign and mantissa verbatim and replaces
-the exponent by a 4-bit code:
+the exponent by a 4-bit code. Two byte layouts exist (``layout``); ``"v3"`` is what the engine uses,
+``"v2"`` is kept so that the GPU script can time the previous kernel on the same weights.
 
-``sm``       ``[N, K]`` uint8 — ``sign << 7 | mantissa``, for every weight (escapes included).
-``codes``    ``[N, G * 32]`` uint8 for ``G = ceil(K / 64)`` column groups of 64 — in group ``g``,
-             byte ``j`` holds the exponent code of column ``64g + j`` in its low nibble and of column
-             ``64g + 32 + j`` in its high nibble (columns past K, in the last group, get code 0).
-             Code ``c >= 1`` means exponent ``base + c``; code 0 is the **escape**.
+``sm``       ``[N, Kp]`` uint8 with ``Kp = 64 * ceil(K / 64)`` (columns past K are 0), one byte per
+             weight: ``v3``: ``mantissa << 1 | sign of column k ^ 1`` (the sign of the *other*
+             column of its aligned pair, see below); ``v2``: ``sign << 7 | mantissa``.
+``codes``    ``[N, Kp / 2]`` uint8: ``Kp / 64`` column groups of 64; in group ``g``, byte ``j`` holds
+             the exponent code of column ``64g + j`` in its low nibble and of column ``64g + 32 + j``
+             in its high nibble (columns past K get code 0). Code ``c >= 1`` means exponent
+             ``base + c``; code 0 is the **escape**.
 ``base``     one int per tensor: codes 1..15 cover the window ``[base + 1, base + 15]``
              (``0 <= base <= 240``) that holds the most weights; the encoder picks it from the
              tensor's exponent histogram. An escape decodes to the placeholder exponent ``base``.
 ``esc_offsets`` ``[ceil(N/16) + 1]`` int32 — CSR offsets of the escapes of each block of 16 rows.
 ``esc_records`` ``[n_esc]`` int32 — one per escaped weight, ``((n % 16) * K + k) << 8 | exponent``,
              in row-major order (so each 16-row block's records are contiguous and sorted by k).
+``esc_values``  ``[n_esc]`` bf16 — the escaped weights themselves (so a kernel can fetch everything
+             it needs for its escapes before its main loop, without re-reading ``sm``).
 
 Why this layout (GPU first):
 * **Fixed-size fields, no entropy coding in the hot path.** Every weight's byte and nibble sit at
-  an address computed from (n, k) alone, so a kernel tile loads with coalesced vector loads and
-  decodes in registers, with no dependence on any other tile. 8 + 4 = 12 bits per weight.
-* **Nibbles paired across half-groups, not neighbours.** A byte holds the codes of columns ``j``
-  and ``j + 32`` of its 64-column group, so a ``[BLOCK_N, 32]`` tile of code bytes lines up
-  element for element with the two ``[BLOCK_N, 32]`` tiles of ``sm`` it decodes (low nibbles with
-  the first half, high nibbles with the second): the kernel needs no interleave or shuffle, and
-  four weights decode from one 32-bit word of ``sm`` and one of codes with byte permutes
-  (``prmt``), ~2.5 integer instructions per weight (``kernels/w12_gemm.py``).
+  an address computed from (n, k) alone, so a kernel tile loads with wide coalesced loads and
+  decodes in registers, with no dependence on any other tile. 8 + 4 = 12 bits per weight. Rows
+  are padded to 64 bytes so that any 16-byte word of a row is aligned and a kernel can load ``sm``
+  as int32 words (4 weights) and ``codes`` as int32 words (8 weights) with no K masks.
+* **Nibbles paired across half-groups, not neighbours.** Code byte ``j`` holds the codes of
+  columns ``j`` and ``j + 32`` of its group, so code word ``w`` (bytes ``4w..4w+3``) lines up with
+  ``sm`` word ``w`` of the group's first half (low nibbles) and word ``w`` of its second half
+  (high nibbles): a kernel loads three same-shaped int32 tiles and decodes them elementwise, with
+  no shuffle between threads.
+* **A byte permute and a rotate per pair of weights (v3).** With ``E`` the four exponent bytes
+  ``base + code`` of one ``sm`` word (``(codes & 0x0F0F0F0F) + base * 0x01010101``: no carries,
+  ``base + 15 <= 255``), one ``prmt`` builds ``[b0, E0, b1, E1]`` for the aligned column pair
+  (0, 1) of the word and a 32-bit rotate right by one turns it into the two bf16 values: the
+  rotate moves each byte's mantissa down by one bit, each exponent into bits 7..14 / 23..30, and
+  bit 0 of each byte (the partner's sign, stored there for exactly this) to bit 15 / 31. About
+  1.6 integer instructions per weight (``kernels/w12_decode.py``); ``v2`` needed ~2.6.
 * **A window of consecutive exponents instead of a 16-entry codebook.** ``exponent = base + code``
-  is one add (two weights per 32-bit add), where a free codebook needs a table lookup per weight. Weight exponent
-  histograms are unimodal (a geometric tail below the largest magnitudes), so the best window of
-  15 covers as much as the 15 most frequent exponents: on all-MiniLM-L6-v2 (bf16) the escapes are
-  0.0245% of weights with the window against 0.0228% with a free top-15 set.
+  is one add (four weights per 32-bit add), where a free codebook needs a table lookup per
+  weight. Weight exponent histograms are unimodal (a geometric tail below the largest
+  magnitudes), so the best window of 15 covers as much as the 15 most frequent exponents: on
+  all-MiniLM-L6-v2 (bf16) the escapes are 0.0245% of weights with the window against 0.0228%
+  with a free top-15 set.
 * **Escapes out of line, per 16-row block, never serializing the kernel.** The kernel decodes an
   escape as the placeholder (its own sign and mantissa, exponent ``base``: below every window
-  exponent) inside the dense tile, subtracts the placeholder's product and adds the escaped weights back
-  once per program, after its K loop, as one more small ``tl.dot`` of gathered activation columns
-  with a ``[32, BLOCK_N]`` tile that holds the escaped values (see ``kernels/w12_gemm.py``). A
-  program reads only its own row blocks' records (one contiguous CSR range per 16 rows); nothing is
-  prefix-summed or searched at run time. Records hold only the position and the exponent (sign and
-  mantissa are already in ``sm``); 28 bits are used (K < 2**19).
-* **Metadata is tiny**: 32 bits per escape plus 32 bits per 16 rows, plus ``base``. At 0.025%
-  escapes that is ≈ 0.008 + 32 / (16·K) bits per weight: ≈ 12.01 bits/weight at K = 4096.
+  exponent) inside the dense tile and, once per program, adds ``x·w`` and subtracts ``x·p`` for
+  each escaped weight ``w`` with placeholder ``p``. A program reads only its own row blocks'
+  records (one contiguous CSR range per 16 rows); nothing is prefix-summed or searched at run
+  time. Records hold the position and the exponent; 28 bits are used (K < 2**19).
+* **Metadata is tiny**: 48 bits per escape plus 32 bits per 16 rows, plus ``base``. At 0.025%
+  escapes that is ≈ 0.012 + 32 / (16·K) bits per weight: ≈ 12.01 bits/weight at K = 4096.
 
 ``decode`` reverses ``encode`` bit for bit for *any* bf16 input (NaN payloads, ±Inf, denormals,
--0.0): the sign and mantissa bits are stored verbatim, and every exponent is either the window
-value named by its code or, for an escape, stored verbatim in its record.
+-0.0), in either layout: the sign and mantissa bits are stored verbatim, and every exponent is
+either the window value named by its code or, for an escape, stored verbatim in its record.
 """
 
 from __future__ import annotations
@@ -69,20 +81,32 @@ MAX_K = 1 << 19
 """Records pack ``(n % 16) * K + k`` in 20 bits above the 8-bit exponent, so K < 2**19."""
 
 
+LAYOUTS = ("v3", "v2")
+"""Byte layouts of ``sm``: ``v3`` ``mantissa << 1 | partner's sign`` (the engine's), ``v2``
+``sign << 7 | mantissa`` (the previous kernel's, kept for comparisons)."""
+
+
 @dataclass(frozen=True, slots=True)
 class W12Tensor:
     """One ``[N, K]`` bf16 matrix in W12 (see the module docstring for the layout)."""
 
-    sm: Tensor  # [N, K] uint8: sign << 7 | mantissa
-    codes: Tensor  # [N, ceil(K/64) * 32] uint8: codes of columns j, j + 32 of each 64-group
+    sm: Tensor  # [N, Kp] uint8, Kp = 64 * ceil(K / 64): one sign/mantissa byte per weight
+    codes: Tensor  # [N, Kp / 2] uint8: codes of columns j, j + 32 of each 64-group
     base: int  # placeholder exponent; code c >= 1 names exponent base + c
     esc_offsets: Tensor  # [ceil(N/16) + 1] int32: CSR offsets per 16-row block
     esc_records: Tensor  # [n_esc] int32: ((n % 16) * K + k) << 8 | exponent
+    esc_values: Tensor  # [n_esc] bf16: the escaped weights
     base_t: Tensor  # [1] int32: ``base`` on the device, for kernels that must load it
+    k: int  # columns of the matrix (``sm`` holds Kp >= k)
+    layout: str = "v3"
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.sm.shape[0]), int(self.sm.shape[1])
+        return int(self.sm.shape[0]), self.k
+
+    @property
+    def padded_k(self) -> int:
+        return int(self.sm.shape[1])
 
     @property
     def device(self) -> torch.device:
@@ -94,8 +118,12 @@ class W12Tensor:
 
     def nbytes(self) -> int:
         """Bytes stored, all metadata included."""
-        parts = (self.sm, self.codes, self.esc_offsets, self.esc_records, self.base_t)
-        return sum(t.numel() * t.element_size() for t in parts)
+        parts = (self.sm, self.codes, self.esc_offsets, self.esc_records, self.esc_values)
+        return sum(t.numel() * t.element_size() for t in parts) + 4
+
+    def stream_bytes(self) -> int:
+        """Bytes a kernel streams for the dense planes (what a roofline divides by bandwidth)."""
+        return self.sm.numel() + self.codes.numel()
 
     def bits_per_weight(self) -> float:
         n, k = self.shape
@@ -108,12 +136,20 @@ class W12Tensor:
             base=self.base,
             esc_offsets=self.esc_offsets.to(device),
             esc_records=self.esc_records.to(device),
+            esc_values=self.esc_values.to(device),
             base_t=self.base_t.to(device),
+            k=self.k,
+            layout=self.layout,
         )
 
 
 def _bits(w: Tensor) -> Tensor:  # [N, K] bf16 -> [N, K] int32 in [0, 65535]
     return w.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def padded(k: int) -> int:
+    """Row length of ``sm`` (and twice that of ``codes``) for K columns."""
+    return (k + GROUP - 1) // GROUP * GROUP
 
 
 def choose_top(exponents: Tensor) -> int:
@@ -126,23 +162,42 @@ def choose_top(exponents: Tensor) -> int:
     return int(tops[int(torch.argmax(covered))])
 
 
-def encode(w: Tensor) -> W12Tensor:
+def _pack_sm(bits: Tensor, layout: str) -> Tensor:  # [N, Kp] int32 bf16 bits -> [N, Kp] uint8
+    sign = (bits >> 15) & 1
+    mant = bits & 0x7F
+    if layout == "v2":
+        return ((sign << 7) | mant).to(torch.uint8)
+    partner = sign.view(bits.shape[0], -1, 2).flip(-1).reshape(bits.shape)  # sign of column k ^ 1
+    return ((mant << 1) | partner).to(torch.uint8)
+
+
+def _unpack_sm(sm: Tensor, layout: str) -> tuple[Tensor, Tensor]:  # -> sign, mantissa [N, Kp]
+    b = sm.to(torch.int32)
+    if layout == "v2":
+        return b >> 7, b & 0x7F
+    sign = (b & 1).view(b.shape[0], -1, 2).flip(-1).reshape(b.shape)
+    return sign, b >> 1
+
+
+def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
     """``w [N, K]`` bf16 (any values) -> W12, on ``w``'s device."""
     if w.dtype != torch.bfloat16 or w.dim() != 2:
         raise ValueError(f"W12 encodes 2-D bf16 tensors, got {w.dtype} with shape {tuple(w.shape)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"W12 layout must be one of {LAYOUTS}, got {layout!r}")
     n, k = w.shape
     if k >= MAX_K:
         raise ValueError(f"W12 supports K < {MAX_K}, got K = {k}")
+    kp = padded(k)
     bits = _bits(w.contiguous())  # [N, K]
     exp = (bits >> 7) & 0xFF  # [N, K]
-    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)  # [N, K]
+    sm = _pack_sm(F.pad(bits, (0, kp - k)), layout)  # [N, Kp]; padding: +0.0
     base = choose_top(exp) - WINDOW
     code = exp - base  # [N, K]
     esc = (code < 1) | (code > WINDOW)
     code = torch.where(esc, torch.full_like(code, ESCAPE), code)
-    groups = (k + GROUP - 1) // GROUP
-    code = F.pad(code, (0, groups * GROUP - k), value=ESCAPE).view(n, groups, 2, HALF)
-    codes = (code[:, :, 0] | (code[:, :, 1] << 4)).to(torch.uint8).reshape(n, groups * HALF)
+    code = F.pad(code, (0, kp - k), value=ESCAPE).view(n, kp // GROUP, 2, HALF)
+    codes = (code[:, :, 0] | (code[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
 
     rows, cols = esc.nonzero(as_tuple=True)  # row-major: sorted by (n, k)
     records = ((((rows % ESC_ROWS) * k + cols) << 8) | exp[rows, cols]).to(torch.int32)
@@ -156,16 +211,19 @@ def encode(w: Tensor) -> W12Tensor:
         base=base,
         esc_offsets=offsets.to(torch.int32),
         esc_records=records,
+        esc_values=w[rows, cols].contiguous(),
         base_t=torch.tensor([base], dtype=torch.int32, device=w.device),
+        k=k,
+        layout=layout,
     )
 
 
 def decode(t: W12Tensor) -> Tensor:
     """W12 -> ``[N, K]`` bf16, bit-identical to what was encoded."""
     n, k = t.shape
-    sm = t.sm.to(torch.int32)  # [N, K]
+    sign, mant = _unpack_sm(t.sm, t.layout)  # [N, Kp]
     c = t.codes.to(torch.int32).view(n, -1, HALF)  # [N, groups, 32]
-    code = torch.stack([c & 0xF, c >> 4], dim=2).reshape(n, -1)[:, :k]  # [N, K]
+    code = torch.stack([c & 0xF, c >> 4], dim=2).reshape(n, -1)  # [N, Kp]
     exp = t.base + code
     rec = t.esc_records.to(torch.int64)  # [n_esc]
     if rec.numel():
@@ -177,8 +235,8 @@ def decode(t: W12Tensor) -> Tensor:
         rows = block_of * ESC_ROWS + pos // k
         cols = pos % k
         exp[rows, cols] = (rec & 0xFF).to(torch.int32)
-    bits = ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)  # [N, K] in [0, 65535]
-    return bits.to(torch.int16).view(torch.bfloat16)  # int32 -> int16 wraps bit 15 in
+    bits = (sign << 15) | (exp << 7) | mant  # [N, Kp] in [0, 65535]
+    return bits[:, :k].to(torch.int16).view(torch.bfloat16)  # int32 -> int16 wraps bit 15 in
 
 
 def exponent_stats(w: Tensor) -> dict[str, float]:

@@ -1,0 +1,390 @@
+"""W12 v3 GEMV: ``y[M, N] = x[M, K] @ W^T (+ b)`` for M <= 4 rows, FMAs on the CUDA cores.
+
+Built for memory-bound decode: every program streams a ``[BLOCK_N, BLOCK_K]`` slab of the two
+W12 planes with 16-byte loads and never exchanges data between threads inside its K loop.
+
+Per K step the program loads three int32 tiles of the same shape ``[BLOCK_N, BLOCK_K / 8]``:
+``a`` (``sm`` words of the first half of each 64-column group), ``b`` (the second half) and ``c``
+(the code words of both halves, ``w12_format``'s pairing), so that one thread holds, for each
+element, the 8 weights of a word triple; it decodes them to fp32 in registers
+(``w12_decode``: ~2.6 integer instructions per weight with the PTX decoder) and accumulates
+``w * x`` in ``[BLOCK_N, BLOCK_K / 8]`` fp32 accumulators, one per activation row (the weights are
+read once for all M rows). ``x`` is read as int64 words (4 bf16) and split in registers; each
+thread's x values serve all of its weight rows. The bf16 baseline (``W12=False``) is the same
+kernel reading bf16 weights as int64 words.
+
+After the K loop each program reduces its accumulators to ``[M, BLOCK_N]`` and adds its escapes:
+the first ``ESC_STEP`` escape records of its rows (positions, values, and the activations at their
+columns) are loaded *before* the K loop, so their latency hides behind the stream; each escaped
+weight ``w`` with placeholder ``p`` (what the dense decode produced: ``w``'s sign and mantissa,
+exponent ``base``) adds ``x·w`` and subtracts ``x·p``. Further records (more than ``ESC_STEP`` in
+one program's rows: rare) are read after the loop. Split-K and the epilogue are ``w12_gemm``'s.
+
+Exactness: every decoded weight is bit for bit the stored bf16 (or the placeholder at an escape),
+a bf16×bf16 product is exact in fp32, and every product enters one fp32 sum once (at escapes
+plus an exactly cancelling pair ``±x·p``), so the result differs from ``F.linear`` on the decoded
+weights only by the order of fp32 additions (the bound in ``w12_gemm``'s docstring).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specpilot.kernels.w12_decode import decode_words_f32_ops, decode_words_f32_ptx
+from specpilot.kernels.w12_gemm import (
+    MAX_SPLIT_K,
+    _bf16_to_f32,
+    _num_sms,
+    _store_tile,
+    check_tiling,
+)
+from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, W12Tensor
+
+_ESC_ROWS = tl.constexpr(ESC_ROWS)
+MAX_ROWS = 4
+"""Most activation rows one GEMV launch takes (each row costs one FMA per weight)."""
+
+
+@triton.jit
+def _split_words(w):
+    """int64 words of 4 bf16 -> the 4 values as fp32 (exact: bf16 bits in the high half)."""
+    lo = w.to(tl.int32)
+    hi = (w >> 32).to(tl.int32)
+    return (
+        (lo << 16).to(tl.float32, bitcast=True),
+        (lo & -65536).to(tl.float32, bitcast=True),
+        (hi << 16).to(tl.float32, bitcast=True),
+        (hi & -65536).to(tl.float32, bitcast=True),
+    )
+
+
+@triton.jit
+def _fma8(acc, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb):
+    """``acc [BN, W] += Σ_i w_i * x_i`` for the 8 columns of a word pair (x: int64 words)."""
+    x0, x1, x2, x3 = _split_words(xa)
+    x4, x5, x6, x7 = _split_words(xb)
+    acc += w0 * x0[None, :]
+    acc += w1 * x1[None, :]
+    acc += w2 * x2[None, :]
+    acc += w3 * x3[None, :]
+    acc += w4 * x4[None, :]
+    acc += w5 * x5[None, :]
+    acc += w6 * x6[None, :]
+    acc += w7 * x7[None, :]
+    return acc
+
+
+@triton.jit
+def _escapes(
+    e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr, stride_x16,
+    rec_ptr, val_ptr, ROWS: tl.constexpr, ESC_STEP: tl.constexpr,
+):  # fmt: skip
+    """Load one chunk of this program's escape records starting at ``e0``: the products to add,
+    ``x·w`` and ``x·p`` as ``[ROWS, E]`` fp32 with their output columns ``hit [E, BN]``."""
+    idx = e0 + tl.arange(0, ESC_STEP)  # [E]
+    valid = idx < e_end
+    rec = tl.load(rec_ptr + idx, mask=valid, other=0)
+    val = tl.load(val_ptr + idx, mask=valid, other=0.0)  # [E] bf16: the escaped weights
+    blk = blk0 - 1 + tl.sum((idx[:, None] >= starts[None, :]).to(tl.int32), axis=1)  # [E]
+    pos = rec >> 8
+    r = pos // K
+    k_e = pos - r * K
+    n_e = blk * _ESC_ROWS + r
+    ok = valid & (k_e >= k_lo) & (k_e < k_hi)
+    x_mask = (m_rows[:, None] < M) & ok[None, :]
+    xe = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + k_e[None, :], mask=x_mask, other=0.0)
+    xe = _bf16_to_f32(xe)  # [ROWS, E]
+    v_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    w_e = (v_bits << 16).to(tl.float32, bitcast=True)  # [E]
+    p_e = (((v_bits & 0x807F) | (base << 7)) << 16).to(tl.float32, bitcast=True)
+    hit = (n_e[:, None] == offs_n[None, :]) & ok[:, None]  # [E, BN]
+    return xe * w_e[None, :], xe * p_e[None, :], hit
+
+
+@triton.jit
+def _apply_escapes(acc, pw, pp, hit):
+    """``acc [ROWS, BN] += Σ_e hit·(x·w) - Σ_e hit·(x·p)``."""
+    h = hit[None, :, :]
+    acc += tl.sum(tl.where(h, pw[:, :, None], 0.0), axis=1)
+    acc -= tl.sum(tl.where(h, pp[:, :, None], 0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def _load_step(
+    k0, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words,
+    W12: tl.constexpr, EVEN: tl.constexpr,
+):  # fmt: skip
+    """The three weight tiles of one K step (W12: ``sm`` words of both halves and code words;
+    bf16: the int64 weight words of both halves, ``c`` unused)."""
+    wofs = k0 // 4
+    rows = offs_n[:, None] * row_words + wofs
+    src = sm_ptr if W12 else w_ptr
+    a_ptrs = src + rows + lo[None, :]
+    b_ptrs = src + rows + hi[None, :]
+    c_ptrs = codes_ptr + offs_n[:, None] * (row_words // 2) + k0 // 8 + jw[None, :]
+    if EVEN:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+        c = tl.load(c_ptrs) if W12 else a
+    else:
+        mask_a = n_ok[:, None] & ((wofs + lo) * 4 < k_hi)[None, :]
+        mask_b = n_ok[:, None] & ((wofs + hi) * 4 < k_hi)[None, :]
+        a = tl.load(a_ptrs, mask=mask_a, other=0)
+        b = tl.load(b_ptrs, mask=mask_b, other=0)
+        c = tl.load(c_ptrs, mask=mask_a, other=0) if W12 else a
+    return a, b, c
+
+
+@triton.jit(do_not_specialize=["M", "base", "split"])
+def _gemv_kernel(
+    x64_ptr,  # [M, KW] int64: x as words of 4 bf16, row stride stride_x64
+    x16_ptr,  # the same memory as bf16, row stride 4 * stride_x64 (escape gathers)
+    w_ptr,  # [N, K / 4] int64 words of bf16 weights (W12=False)
+    sm_ptr,  # [N, Kp / 4] int32 words of W12 sign/mantissa bytes
+    codes_ptr,  # [N, Kp / 8] int32 words of code bytes
+    off_ptr,  # [ceil(N/16) + 1] int32
+    rec_ptr,  # [n_esc] int32
+    val_ptr,  # [n_esc] bf16
+    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    y_ptr,  # [M, N] bf16, row stride stride_ym
+    part_ptr,  # [split, M, N] fp32 (split > 1)
+    count_ptr,  # [tiles] int32 (split > 1)
+    M,
+    N,
+    K,
+    stride_x64,
+    stride_ym,
+    row_words,  # weight words per row: Kp / 4 (W12) or K / 4 (bf16)
+    base,
+    k_split,  # columns per split, a multiple of BLOCK_K
+    split,
+    W12: tl.constexpr,
+    PTX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no masks on the weights
+    ROWS: tl.constexpr,  # power of two >= M
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ESC_STEP: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = offs_n < N
+    m_rows = tl.arange(0, ROWS)  # [ROWS]
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    BW: tl.constexpr = BLOCK_K // 8
+    jw = tl.arange(0, BW)  # [BW] word slot: group jw // 8, word jw % 8 of each half
+    lo = (jw // 8) * 16 + (jw % 8)  # [BW] sm (or bf16) word of the first half, from k0 / 4
+    hi = lo + 8
+
+    if W12:  # the first chunk of escapes, fetched now so that it arrives during the K loop
+        NB: tl.constexpr = BLOCK_N // _ESC_ROWS
+        n_blocks = (N + _ESC_ROWS - 1) // _ESC_ROWS
+        blk0 = pid_n * NB
+        bidx = blk0 + tl.arange(0, NB)  # [NB]
+        starts = tl.load(off_ptr + bidx, mask=bidx < n_blocks, other=2**30)  # [NB]
+        e_start = tl.load(off_ptr + blk0)
+        e_end = tl.load(off_ptr + tl.minimum(blk0 + NB, n_blocks))
+        pw, pp, hit = _escapes(
+            e_start, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
+            stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+        )  # fmt: skip
+    base4 = base * 0x01010101
+
+    acc0 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        a, b, c = _load_step(
+            k0, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words, W12, EVEN
+        )
+        if W12:
+            if PTX:
+                w0, w1, w2, w3, w4, w5, w6, w7 = decode_words_f32_ptx(a, b, c, base4)
+            else:
+                w0, w1, w2, w3, w4, w5, w6, w7 = decode_words_f32_ops(a, b, c, base4)
+        else:
+            w0, w1, w2, w3 = _split_words(a)
+            w4, w5, w6, w7 = _split_words(b)
+        wofs = k0 // 4
+        xa_ok = (wofs + lo) * 4 < k_hi
+        xb_ok = (wofs + hi) * 4 < k_hi
+        x_row = x64_ptr + wofs
+        xa = tl.load(x_row + lo, mask=xa_ok, other=0)
+        xb = tl.load(x_row + hi, mask=xb_ok, other=0)
+        acc0 = _fma8(acc0, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+        if ROWS > 1:
+            xa = tl.load(x_row + stride_x64 + lo, mask=xa_ok & (jw * 0 + 1 < M), other=0)
+            xb = tl.load(x_row + stride_x64 + hi, mask=xb_ok & (jw * 0 + 1 < M), other=0)
+            acc1 = _fma8(acc1, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+        if ROWS > 2:
+            xa = tl.load(x_row + 2 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 2 < M), other=0)
+            xb = tl.load(x_row + 2 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 2 < M), other=0)
+            acc2 = _fma8(acc2, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+            xa = tl.load(x_row + 3 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 3 < M), other=0)
+            xb = tl.load(x_row + 3 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 3 < M), other=0)
+            acc3 = _fma8(acc3, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+
+    # [ROWS, BN]: row r of the output tile is acc_r summed over its word slots
+    sel = m_rows[:, None]
+    acc = tl.where(sel == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if ROWS > 1:
+        acc = tl.where(sel == 1, tl.sum(acc1, axis=1)[None, :], acc)
+    if ROWS > 2:
+        acc = tl.where(sel == 2, tl.sum(acc2, axis=1)[None, :], acc)
+        acc = tl.where(sel == 3, tl.sum(acc3, axis=1)[None, :], acc)
+    if W12:
+        acc = _apply_escapes(acc, pw, pp, hit)
+        e0 = e_start + ESC_STEP
+        while e0 < e_end:  # more escapes than one chunk in these rows: rare
+            pw, pp, hit = _escapes(
+                e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
+                stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+            )  # fmt: skip
+            acc = _apply_escapes(acc, pw, pp, hit)
+            e0 += ESC_STEP
+
+    _store_tile(
+        acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, m_rows, offs_n, m_rows < M, n_ok,
+        stride_ym, M, N, 0, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Tiling of one GEMV launch (the same for the bf16 and the W12 kernel)."""
+
+    block_n: int = 16
+    """Weight rows per program, a multiple of 16 (the escape blocks)."""
+    block_k: int = 1024
+    """Columns per K step, a multiple of 64; each thread holds ``block_k / 8 / 32`` words."""
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 0
+    """Number of K splits; 0: enough to give every SM about two programs."""
+
+    def __post_init__(self) -> None:
+        check_tiling(self.block_n, self.block_k, GROUP)
+
+
+ESC_STEP = 16
+"""Escape records a program reads per chunk (the first chunk before its K loop)."""
+
+
+def _split(n: int, k: int, cfg: GemvConfig, device: torch.device) -> tuple[int, int]:
+    """``(split, k_split)`` with ``k_split`` a multiple of ``block_k``."""
+    tiles = triton.cdiv(n, cfg.block_n)
+    want = cfg.split_k or max(1, (2 * _num_sms(device)) // tiles)
+    want = max(1, min(want, triton.cdiv(k, cfg.block_k), MAX_SPLIT_K))
+    k_split = triton.cdiv(triton.cdiv(k, want), cfg.block_k) * cfg.block_k
+    return triton.cdiv(k, k_split), k_split
+
+
+def _x_words(x: Tensor) -> Tensor:  # [M, K] bf16 -> [M, ceil(K/4) * 4] bf16, int64-viewable
+    """``x`` itself when its rows can be read as int64 words, else a zero-padded copy."""
+    k = x.shape[1]
+    if k % 4 == 0 and x.stride(1) == 1 and x.stride(0) % 4 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    out = x.new_zeros(x.shape[0], k + (-k) % 4)
+    out[:, :k] = x
+    return out
+
+
+def _launch(
+    x: Tensor,  # [M, K] bf16
+    n: int,
+    w_bf16: Tensor | None,  # [N, K] bf16, K % 4 == 0
+    w12: W12Tensor | None,
+    bias: Tensor | None,
+    counters: Tensor,
+    cfg: GemvConfig,
+    ptx: bool,
+) -> Tensor:  # [M, N] bf16
+    m, k = x.shape
+    if x.dtype != torch.bfloat16:
+        raise ValueError("x must be bf16")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, got {m}")
+    split, k_split = _split(n, k, cfg, x.device)
+    grid = (triton.cdiv(n, cfg.block_n), 1, split)
+    if split > 1 and grid[0] > counters.numel():
+        raise ValueError("counter buffer too small for this split-K launch")
+    xw = _x_words(x)
+    x64 = xw.view(torch.int64)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = (
+        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        if split > 1
+        else counters.view(torch.float32)
+    )
+    even = n % cfg.block_n == 0 and k % k_split == 0
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if w12 is not None:
+        if w12.layout != "v3":
+            raise ValueError("the W12 GEMV reads layout v3")
+        sm32 = w12.sm.view(torch.int32)  # [N, Kp / 4]
+        codes32 = w12.codes.view(torch.int32)  # [N, Kp / 8]
+        recs, vals = w12.esc_records, w12.esc_values
+        if recs.numel() == 0:  # never read (every CSR range is empty) but valid pointers
+            recs, vals = w12.esc_offsets, x
+        w_arg, row_words, base = sm32, int(sm32.shape[1]), w12.base
+        offs = w12.esc_offsets
+    else:
+        assert w_bf16 is not None
+        if k % 4 or not w_bf16.is_contiguous():
+            raise ValueError("the bf16 GEMV needs a contiguous [N, K] weight with K % 4 == 0")
+        w_arg = w_bf16.view(torch.int64)
+        sm32, codes32, offs, recs, vals = x64, x64, counters, counters, x
+        row_words, base = k // 4, 0
+    _gemv_kernel[grid](
+        x64, xw, w_arg, sm32, codes32, offs, recs, vals,
+        bias if bias is not None else x, y, part, counters,
+        m, n, k, x64.stride(0), y.stride(0), row_words, base, k_split, split,
+        W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None, EVEN=even,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ESC_STEP=ESC_STEP, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+def w12_gemv(
+    x: Tensor,  # [M, K] bf16, M <= 4
+    w: W12Tensor,  # [N, K], layout v3
+    counters: Tensor,  # from w12_gemm.counter_buffer(N)
+    bias: Tensor | None = None,  # [N] bf16
+    cfg: GemvConfig | None = None,
+    ptx: bool = True,
+) -> Tensor:  # [M, N] bf16
+    """``x @ decode(w)^T (+ bias)`` on the CUDA cores (``ptx``: the inline-PTX decoder)."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has K = {x.shape[-1]}, the weight has K = {k}")
+    return _launch(x, n, None, w, bias, counters, cfg or GemvConfig(), ptx)
+
+
+def bf16_gemv(
+    x: Tensor,  # [M, K] bf16, M <= 4
+    w: Tensor,  # [N, K] bf16 contiguous, K % 4 == 0
+    counters: Tensor,
+    bias: Tensor | None = None,
+    cfg: GemvConfig | None = None,
+) -> Tensor:  # [M, N] bf16
+    """The same GEMV reading plain bf16 weights: its fair baseline."""
+    n = w.shape[0]
+    return _launch(x, n, w, None, bias, counters, cfg or GemvConfig(), False)
+
+
+__all__ = ["MAX_ROWS", "GemvConfig", "bf16_gemv", "w12_gemv"]

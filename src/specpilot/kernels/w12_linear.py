@@ -1,0 +1,84 @@
+"""Which W12 kernel serves a call of M rows, with which tiling: the table to edit after a GPU run.
+
+Two kernels read the W12 v3 layout (``mechanisms/w12_format.py``):
+
+* ``gemv`` (``kernels/w12_gemv.py``): CUDA-core FMAs, weights read once for up to 4 rows, no
+  data exchange between threads in the K loop; best where one FMA per weight and row is cheap
+  next to the stream (M = 1, perhaps 2);
+* ``dot`` (``kernels/w12_gemm.py``): ``tl.dot`` tiles with the decode in the MMA operand layout
+  (M padded to 16 rows), for larger M.
+
+``CHOSEN`` maps the largest M of a bucket to its kernel and tiling, plus the fraction of the
+measured copy bandwidth that choice reached on the H200 (``roofline_frac``: the cost model's
+``kernel efficiency`` for W12, ``costmodel/weight_format.py``). ``bench/w12_v3_gpu.py`` prints a
+replacement for this table from its measurements; the values below are the configs expected to
+be best from local sm_90 compiles (instructions per weight, no shared-memory round trip in the
+K loop), *not yet measured* (``roofline_frac=None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from specpilot.kernels.w12_gemm import GemmConfig, w12_matmul
+from specpilot.kernels.w12_gemv import MAX_ROWS, GemvConfig, w12_gemv
+from specpilot.mechanisms.w12_format import W12Tensor
+
+KERNELS = ("gemv", "dot")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """The kernel and tiling for one M bucket, and what it measured."""
+
+    kernel: str
+    gemv: GemvConfig | None = None
+    dot: GemmConfig | None = None
+    roofline_frac: float | None = None
+    """Achieved (weight + activation bytes) / time over the measured copy bandwidth, summed over
+    the Llama-3-8B linear shapes; None: not measured yet."""
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if (self.kernel == "gemv") != (self.gemv is not None) or (self.kernel == "dot") != (
+            self.dot is not None
+        ):
+            raise ValueError("give exactly the config of the chosen kernel")
+
+
+CHOSEN: tuple[tuple[int, KernelChoice], ...] = (
+    (1, KernelChoice("gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4))),
+    (2, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3))),
+    (16, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3))),
+    (64, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3))),
+)
+"""(largest M of the bucket, choice), ascending; M above the last bucket uses the last."""
+
+
+def choice_for(m: int, table: tuple[tuple[int, KernelChoice], ...] = CHOSEN) -> KernelChoice:
+    for top, choice in table:
+        if m <= top:
+            if choice.kernel == "gemv" and m > MAX_ROWS:
+                raise ValueError(f"the GEMV takes at most {MAX_ROWS} rows; fix the table")
+            return choice
+    return table[-1][1]
+
+
+def w12_linear(
+    x: Tensor,  # [M, K] bf16
+    w: W12Tensor,  # [N, K], layout v3
+    counters: Tensor,  # from w12_gemm.counter_buffer(N)
+    bias: Tensor | None = None,  # [N] bf16
+    ptx: bool = True,
+) -> Tensor:  # [M, N] bf16
+    """``x @ decode(w)^T (+ bias)`` with the kernel ``CHOSEN`` names for ``M``."""
+    c = choice_for(x.shape[0])
+    if c.kernel == "gemv":
+        return w12_gemv(x, w, counters, bias, cfg=c.gemv, ptx=ptx)
+    return w12_matmul(x, w, counters, bias, cfg=c.dot, prmt=ptx)
+
+
+__all__ = ["CHOSEN", "KernelChoice", "choice_for", "w12_linear"]
