@@ -79,7 +79,12 @@ def _group_kernel() -> None:
         batch, width = rng.randint(1, 4), rng.choice([2, 5, 9, 17, 33, 65])
         k = rng.randint(1, width - 1)
         case = random_case(rng, pattern, batch, width, k)
-        layers, heads, slots, dim = rng.randint(1, 2), rng.choice([1, 2]), 80, rng.choice([16, 32])
+        layers, heads, slots, dim = (
+            rng.randint(1, 2),
+            rng.choice([1, 2]),
+            80,
+            rng.choice([16, 24, 32]),
+        )
         dtype = torch.bfloat16 if trial % 3 == 0 else torch.float32
         committed = torch.tensor([rng.randint(1, slots - width) for _ in range(batch)])
         ks = [torch.randn(batch, heads, slots, dim).to(dtype) for _ in range(layers)]

@@ -58,6 +58,7 @@ def _tree_accept_kernel(
     KP: tl.constexpr,  # next power of two >= K1
     WP: tl.constexpr,  # next power of two >= W
     D: tl.constexpr,  # head dim (contiguous)
+    DP: tl.constexpr,  # next power of two >= D
 ):
     b = tl.program_id(0)
     t = tl.program_id(1)
@@ -97,12 +98,11 @@ def _tree_accept_kernel(
     start = tl.load(committed_ptr + b) - 1
     move = dm & (ds <= n) & (src != ds) & (start + src < S)  # [KP]
     base = kv_ptr + tl.load(offs_ptr + t) + b * stride_b + h * stride_h
-    dcol = tl.arange(0, D)
-    x = tl.load(
-        base + (start + src)[:, None] * stride_s + dcol[None, :], mask=move[:, None], other=0.0
-    )  # [KP, D]
+    dcol = tl.arange(0, DP)
+    both = move[:, None] & (dcol[None, :] < D)  # [KP, DP]
+    x = tl.load(base + (start + src)[:, None] * stride_s + dcol[None, :], mask=both, other=0.0)
     tl.debug_barrier()  # every row read before any is overwritten
-    tl.store(base + (start + ds)[:, None] * stride_s + dcol[None, :], x, mask=move[:, None])
+    tl.store(base + (start + ds)[:, None] * stride_s + dcol[None, :], x, mask=both)
 
 
 def _check(name: str, t: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -168,6 +168,7 @@ def tree_accept_compact(
         KP=triton.next_power_of_2(k + 1),
         WP=wp,
         D=d,
+        DP=triton.next_power_of_2(d),
         num_warps=8 if wp >= 128 else 4,
     )
     return n, src
