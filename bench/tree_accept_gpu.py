@@ -289,7 +289,11 @@ def variant_configs(
 
 
 def e2e_section(
-    args: argparse.Namespace, dev: torch.device, out: dict[str, Any], deadline: float
+    args: argparse.Namespace,
+    dev: torch.device,
+    out: dict[str, Any],
+    deadline: float,
+    save: Callable[[], None],
 ) -> None:
     shape = "tiny-llama" if args.tiny else "llama3-8b"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -360,6 +364,7 @@ def e2e_section(
         del builds, engines, arms, meas
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+        save()  # a timeout keeps the profiles that finished
 
 
 # ---------------------------------------------------------------------- report
@@ -434,8 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             synchronize(dev)
             save()
         if not args.skip_e2e:
-            e2e_section(args, dev, out, t0 + args.budget_s)
-            save()
+            e2e_section(args, dev, out, t0 + args.budget_s, save)
     print(table(out))
     return out
 
