@@ -43,3 +43,32 @@ def test_mechanisms_gpu_script_runs_tiny_on_the_cpu(tmp_path):
     saved = json.loads((tmp_path / "mechanisms_gpu.json").read_text())
     assert all(r["mismatches"] == 0 for r in saved["lm_head"])
     assert {r["tokens"] for r in saved["verify"] if "chain_ms" in r} == {1, 4, 8}
+
+
+def test_tree_accept_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """Part 1 checks the torch accept against the path it planted (and the fused kernel where
+    Triton runs); part 2 runs AR, the chain and trees through ``build_engine`` under both
+    simulated profiles, every output equal to AR and token-forced."""
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("tree_accept_gpu", ROOT / "bench" / "tree_accept_gpu.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "1", "--e2e-rounds", "1"])
+    saved = json.loads((tmp_path / "tree_accept_gpu.json").read_text())
+    assert [r["nodes"] for r in saved["accept"]] == [6, 10]
+    assert all(
+        r["rows_moved"] > 0 and r["us_per_call"]["tree torch"]["median"] > 0
+        for r in saved["accept"]
+    )
+    runs = saved["e2e"]
+    assert {r["profile"] for r in runs} == {"eagle-like", "dflash-like"}
+    assert {r["variant"] for r in runs} >= {"ar", "chain", "tree6", "tree10"}
+    assert all(
+        r["tokens_equal_ar"] and r["warmup_tokens_equal_ar"] and r["forcing"]["ok"] for r in runs
+    )
+    trees = [r for r in runs if r["variant"].startswith("tree")]
+    assert all("simulated acceptance" in r["label"] and "sibling=0.5" in r["label"] for r in trees)
+    assert all(r["mechanisms"]["tree-verify"]["max_nodes"] in (6, 10) for r in trees)
+    assert "simulated acceptance" in saved["label"]

@@ -270,6 +270,20 @@ def test_profile_parse() -> None:
         AcceptanceProfile.parse("tau=20,block=4")
     sched = p.schedule(640, seed=0)
     assert 1 + sum(sched) / len(sched) == pytest.approx(6.5, abs=0.05)
+    assert p.p_sibling == 0.0  # trees: the second choice never right unless the text says so
+    s = AcceptanceProfile.parse("rates=0.9,0.5,sibling=0.4,block=4")
+    assert s.rates == r.rates and s.p_sibling == 0.4
+    assert AcceptanceProfile.parse("tau=6.5,block=16,sibling=0.5").rates == p.rates
+    with pytest.raises(ValueError, match="sibling"):
+        AcceptanceProfile.parse("tau=3,block=4,sibling=1.5")
+    from specpilot.engine.build import simulate
+
+    model = tiny("llama")
+    assert simulate(_block(model, 8), "tau=3,block=8,sibling=0.7").p_sibling == 0.7
+    given = SimulatedAcceptance(
+        _block(model, 8), AcceptanceProfile.parse("tau=3,block=8"), p_sibling=0.2
+    )
+    assert given.p_sibling == 0.2
 
 
 @pytest.mark.parametrize("text", ["tau=4,block=8", "rates=0.95,0.8,0.7,0.6,0.5,0.4,0.3"])

@@ -103,7 +103,9 @@ def add_engine_args(p: argparse.ArgumentParser, default_drafter: str = "ngram") 
         default=None,
         help="time a deployment whose real drafter is not at hand: the drafter runs for real, its "
         "proposals follow PROFILE ('tau=6.5,block=16' or 'rates=0.9,0.8,...'; block sets -k to "
-        "block - 1); verification stays real and every figure says 'simulated acceptance'",
+        "block - 1; ',sibling=0.5': after a first-choice miss a tree's second choice is right "
+        "with that probability); verification stays real and every figure says 'simulated "
+        "acceptance'",
     )
     g.add_argument(
         "--no-gate",

@@ -30,7 +30,8 @@ the scheduled miss, and past it holds the true token with the profile's chain pr
 ``rates[d]``, drawn independently; on a first-branch miss the true token is placed on the second
 branch (rank 1) with probability ``p_sibling``. Every other candidate is a wrong token. So a
 chain verify sees exactly the chain profile, and siblings can only add accepted tokens. Labels
-name ``p_sibling`` beside the profile.
+name ``p_sibling`` beside the profile; a profile text may carry it (``tau=6.5,block=16,
+sibling=0.5``), so that the commands' ``--simulate-acceptance`` can time trees too.
 
 Every figure produced with this wrapper must be labelled ``SIM_LABEL``.
 """
@@ -54,10 +55,14 @@ STRATUM = 64
 class AcceptanceProfile:
     rates: tuple[float, ...]
     """Conditional acceptance rate of each draft position, given all earlier ones were accepted."""
+    p_sibling: float = 0.0
+    """Tree candidates: P(the true token is the second choice | the first choice missed)."""
 
     def __post_init__(self) -> None:
         if not self.rates or not all(0.0 <= r <= 1.0 for r in self.rates):
             raise ValueError("An acceptance profile needs at least one rate, each in [0, 1].")
+        if not 0.0 <= self.p_sibling <= 1.0:
+            raise ValueError(f"sibling must lie in [0, 1], got {self.p_sibling}")
 
     @property
     def k(self) -> int:
@@ -89,19 +94,21 @@ class AcceptanceProfile:
                 raise ValueError(f"Cannot read '{part}' in the acceptance profile '{text}'.")
         try:
             block = int(fields["block"]) if "block" in fields else None
+            sibling = float(fields.get("sibling", 0.0))
             if "rates" in fields:
                 rates = [float(x) for x in fields["rates"].split(",") if x]
                 if block is not None:
                     if len(rates) > block - 1:
                         raise ValueError("more rates than draft positions (block - 1)")
                     rates += [rates[-1]] * (block - 1 - len(rates))
-                return cls(tuple(rates))
+                return cls(tuple(rates), sibling)
             if "tau" in fields and block is not None:
-                return cls.constant(float(fields["tau"]), block - 1)
+                return cls(cls.constant(float(fields["tau"]), block - 1).rates, sibling)
         except ValueError as e:
             raise ValueError(f"Bad acceptance profile '{text}': {e}.") from None
         raise ValueError(
-            f"Bad acceptance profile '{text}'; write 'tau=6.5,block=16' or 'rates=0.9,0.8,0.7'."
+            f"Bad acceptance profile '{text}'; write 'tau=6.5,block=16' or 'rates=0.9,0.8,0.7' "
+            "(either may add ',sibling=0.5')."
         )
 
     @classmethod
@@ -140,8 +147,10 @@ class SimulatedAcceptance:
         profile: AcceptanceProfile,
         seed: int = 0,
         row_profiles: Sequence[AcceptanceProfile] = (),
-        p_sibling: float = 0.0,
+        p_sibling: float | None = None,
     ) -> None:
+        """``p_sibling``: None takes the profile's."""
+        p_sibling = profile.p_sibling if p_sibling is None else p_sibling
         if not 0.0 <= p_sibling <= 1.0:
             raise ValueError(f"p_sibling must lie in [0, 1], got {p_sibling}.")
         for p in (profile, *row_profiles):

@@ -14,6 +14,11 @@ tokens and the bonus, each the target's argmax after the committed prefix, hence
 path's K/V (and the drafter's hidden states) are **compacted** to consecutive slots
 ``start + d`` by a gather then a scatter, no recompute: a node's K/V depends only on its token,
 its position and its ancestors' K/V, exactly what a chain over the path computes.
+
+Two implementations of the tree rule, chosen in one place (:func:`use_fused_tree_accept`): the
+torch ops below (the CPU, and the reference), and one Triton launch that computes the path and
+moves the K/V of every layer (``kernels/tree_accept.py``; CUDA, or the CPU under
+``TRITON_INTERPRET=1``). Both give exactly the same ``n``, path, committed tokens and cache.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import Tensor
 
 from specpilot.engine.rows import RowState
 from specpilot.engine.verify import greedy_verify
+from specpilot.kernels import triton_usable
 from specpilot.models.kv_cache import KVCache
 
 
@@ -97,6 +103,12 @@ def compact_kv(cache: KVCache, start: Tensor, src: Tensor) -> None:
         vc.scatter_(2, di, vc.gather(2, gi))
 
 
+def use_fused_tree_accept(device: torch.device) -> bool:
+    """Whether the tree accept runs as the one Triton launch (wherever Triton kernels run: CUDA,
+    or ``TRITON_INTERPRET=1``) rather than the torch ops. The one place this is decided."""
+    return triton_usable(device)
+
+
 def tree_accept_and_commit(
     state: RowState,
     tokens: Tensor,  # [B, W] root then node tokens
@@ -107,18 +119,27 @@ def tree_accept_and_commit(
     k: int,
     tree_hidden: Tensor | None,  # [n_sel, B, W, hidden] target states of the tree rows, or None
     chain_hidden: Tensor | None,  # [n_sel, B, >= k+1, hidden]: where the drafter reads them
+    fused: bool = False,
 ) -> None:
     """Accept each row's longest argmax path, compact its K/V, commit it plus the bonus
-    (module docstring); the path's hidden states go to ``chain_hidden`` in chain order."""
-    start = state.committed_len - 1  # [B] the root's slot
-    n, src = accepted_path(tokens, argmax, topo, visible, state.active, k)
+    (module docstring); the path's hidden states go to ``chain_hidden`` in chain order.
+    ``fused``: the Triton kernel instead of the torch ops (:func:`use_fused_tree_accept`)."""
     w = tokens.shape[1]
-    srcw = src.clamp(max=w - 1)  # [B, k+1] (past the path: not used)
-    compact_kv(cache, start, src)
+    chain = state.verify_argmax[:, : k + 1]  # [B, k+1]: path tokens a_0..a_{n-1}, then a_n
+    if fused:
+        from specpilot.kernels.tree_accept import tree_accept_compact
+
+        n, src = tree_accept_compact(
+            tokens, argmax, topo, visible, state.active, state.committed_len, k,
+            [*cache.k, *cache.v], cache.tensor_offsets(), state.verify_argmax,
+        )  # fmt: skip
+    else:
+        start = state.committed_len - 1  # [B] the root's slot
+        n, src = accepted_path(tokens, argmax, topo, visible, state.active, k)
+        compact_kv(cache, start, src)
+        chain.copy_(argmax.gather(1, src.clamp(max=w - 1)))
     if chain_hidden is not None and tree_hidden is not None:
         ns, b, _, h = tree_hidden.shape
-        idx = srcw[None, :, :, None].expand(ns, b, k + 1, h)
+        idx = src.clamp(max=w - 1)[None, :, :, None].expand(ns, b, k + 1, h)
         chain_hidden[:, :, : k + 1].copy_(tree_hidden.gather(2, idx))
-    chain = argmax.gather(1, srcw)  # [B, k+1]: path tokens a_0..a_{n-1}, then the bonus a_n
-    state.verify_argmax[:, : k + 1].copy_(chain)
     commit_block(state, chain, n)

@@ -28,7 +28,7 @@ import torch
 
 from specpilot.drafters.static_tree import StaticTree
 from specpilot.drafters.tree import TreeShape
-from specpilot.engine.accept import tree_accept_and_commit
+from specpilot.engine.accept import tree_accept_and_commit, use_fused_tree_accept
 from specpilot.engine.tree_policy import FixedTree, TreePolicy
 from specpilot.engine.trees import TreeBuffers
 from specpilot.engine.widths import WidthPolicy
@@ -225,18 +225,26 @@ class PackedPlan:
 
 class TreePlan:
     """Tree verify. ``policy`` picks each row's static tree (candidate drafters); ``shape``
-    bounds a host drafter's trie (``propose_tree``)."""
+    bounds a host drafter's trie (``propose_tree``). ``fused_accept``: accept and compact with
+    the one Triton launch (None: wherever Triton runs, ``accept.use_fused_tree_accept``)."""
 
     name = "tree"
 
     def __init__(
-        self, policy: TreePolicy | None = None, shape: TreeShape | None = None, bucket: int = 16
+        self,
+        policy: TreePolicy | None = None,
+        shape: TreeShape | None = None,
+        bucket: int = 16,
+        fused_accept: bool | None = None,
     ) -> None:
         if policy is None and shape is None:
             raise ValueError("A tree plan needs a tree policy or a tree shape.")
         self.policy = policy
         self.shape = shape
         self.bucket = bucket
+        self.fused_accept = fused_accept
+        self.fused = False
+        """Whether the bound engine's accept runs the fused kernel."""
         self.bufs: TreeBuffers | None = None
         self.rows: PackedRows | None = None
         self.rows_verified = 0
@@ -279,6 +287,12 @@ class TreePlan:
         if not _rows_fit(self.rows, engine.batch, w):
             self.rows = PackedRows.allocate(engine.batch, w, engine.device)
         self.rows_verified = 0
+        usable = use_fused_tree_accept(engine.device)
+        if self.fused_accept and not usable:
+            raise ValueError("The fused tree accept needs Triton on CUDA (or TRITON_INTERPRET=1).")
+        self.fused = usable if self.fused_accept is None else self.fused_accept
+        if self.fused and engine.cache is not None:
+            engine.cache.tensor_offsets()  # its one host→device copy, before any capture
 
     def reset_row(self, row: int) -> None:
         if self.policy is not None:
@@ -332,19 +346,21 @@ class TreePlan:
         engine.runner.run(("tree_verify", m, attn_len), verify, st, engine.verify_graph_safe)
         engine.mark()
 
-        cache = engine.cache
+        cache, fused = engine.cache, self.fused
         assert cache is not None
 
         def accept() -> None:
             tree_accept_and_commit(
                 st, bufs.tokens, bufs.argmax, bufs.topo, bufs.visible, cache, depth,
-                bufs.hidden, engine.verify_hidden,
+                bufs.hidden, engine.verify_hidden, fused,
             )  # fmt: skip
 
-        engine.runner.run(("tree_accept", depth), accept, st)
+        engine.runner.run(("tree_accept", depth, fused), accept, st)
         return depth + 1, drafted
 
 
-def fixed_tree_plan(tree: StaticTree, bucket: int = 16) -> TreePlan:
+def fixed_tree_plan(
+    tree: StaticTree, bucket: int = 16, fused_accept: bool | None = None
+) -> TreePlan:
     """Every row verifies the same static tree."""
-    return TreePlan(policy=FixedTree(tree), bucket=bucket)
+    return TreePlan(policy=FixedTree(tree), bucket=bucket, fused_accept=fused_accept)

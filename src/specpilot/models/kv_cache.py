@@ -9,7 +9,7 @@ written in the same forward. So rollback costs nothing and needs no copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -24,6 +24,8 @@ class KVCache:
     k: list[Tensor]  # per layer [B, H_kv, S_max, D] (the layout attention reads)
     v: list[Tensor]  # per layer [B, H_kv, S_max, D]
     lengths: Tensor  # [B] int64 on the host: committed (valid) KV entries per sequence
+    _offsets: Tensor | None = field(default=None, repr=False, compare=False)
+    _offsets_of: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def allocate(
@@ -63,6 +65,27 @@ class KVCache:
             v=[t[first:end] for t in self.v],
             lengths=self.lengths[first:end],
         )
+
+    def tensor_offsets(self) -> Tensor:
+        """``[2L]`` int64 on the cache's device: element offset of ``k[0..L-1]`` then
+        ``v[0..L-1]`` from ``k[0]``, so that one kernel reaches every layer through one base
+        pointer (``kernels/tree_accept.py``). Computed once per set of tensors (a host→device
+        copy), so call it outside CUDA-graph capture first."""
+        tensors = [*self.k, *self.v]
+        ptrs = tuple(t.data_ptr() for t in tensors)
+        if self._offsets is not None and self._offsets_of == ptrs:
+            return self._offsets
+        first = tensors[0]
+        size = first.element_size()
+        for t in tensors:
+            if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype:
+                raise ValueError("every cache tensor needs the same shape, strides and dtype")
+            if (t.data_ptr() - ptrs[0]) % size:
+                raise ValueError("a cache tensor is not aligned to its element size")
+        offs = [(p - ptrs[0]) // size for p in ptrs]
+        self._offsets = torch.tensor(offs, dtype=torch.int64, device=first.device)
+        self._offsets_of = ptrs
+        return self._offsets
 
     def reset(self) -> None:
         self.lengths.zero_()
