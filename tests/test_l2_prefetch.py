@@ -32,7 +32,7 @@ from specpilot.kernels.l2_prefetch import (
     prefetch_l2,
 )
 from specpilot.mechanisms import MECHANISMS
-from specpilot.mechanisms.l2_prefetch import NEXT_MATRIX, PHASE_SETS, MiB, install
+from specpilot.mechanisms.l2_prefetch import NEXT_MATRIX, PHASE_SETS, MiB, install, installed
 from specpilot.mechanisms.l2_prefetch_cost import matrix_bytes, predict
 from specpilot.models.forward import PHASE_POINTS
 from specpilot.synthetic import TARGET_SHAPES
@@ -150,8 +150,17 @@ def test_engine_tokens_are_unchanged_and_hooks_come_out(seed):
             got = generate(Engine(target, NgramDrafter(k=4), plan=plan), prompts, 20)
             assert tokens(got) == want, (phases, plan)
         assert pf.issued > 0 and pf.issued % (cfg.num_layers * n_points) == 0
-        pf.remove()
+        assert installed(target) is pf
+        pf.detach()
         assert all(not layer.phase_hooks for layer in target.layers)
+        assert installed(target) is None
+        issued = pf.issued
+        generate(Engine(target), prompts, 4)
+        assert pf.issued == issued  # detached: no hook runs
+        pf.attach()
+        generate(Engine(target), prompts, 4)
+        assert pf.issued > issued
+        pf.detach()
 
 
 def test_prefetch_bytes_are_capped_by_the_matrix():
@@ -164,7 +173,7 @@ def test_prefetch_bytes_are_capped_by_the_matrix():
     assert {id(p.weight) for p in pf.phases} == {
         id(getattr(layer, m)) for m in ("w_qkv", "w_o", "w_gate_up", "w_down")
     }
-    pf.remove()
+    pf.detach()
 
 
 def test_matrices_read_elsewhere_are_skipped_and_hooks_are_not_shared():
@@ -174,11 +183,11 @@ def test_matrices_read_elsewhere_are_skipped_and_hooks_are_not_shared():
     pf = install(target, phases="all", mb=1)
     assert all(p.weight.shape[0] != 2 * target.cfg.intermediate_size for p in pf.phases)
     assert len(pf.phases) == 2 * 3
-    pf.remove()
+    pf.detach()
     target.layers[1].phase_hooks["attention"] = lambda: None
     with pytest.raises(SpecPilotError, match="already hooks"):
         install(target, phases="attention")
-    assert not target.layers[0].phase_hooks  # the partial install was taken out
+    assert not target.layers[0].phase_hooks  # nothing was installed
 
 
 def test_registry_entry_and_tuner_direction():
@@ -261,7 +270,7 @@ def test_cuda_graphs_with_prefetch_equal_without(stream: str) -> None:
             assert tokens(generate(engine, prompts, 40)) == want, (dtype, drafter)
             assert engine.runner.captures > 0
         assert pf.issued > 0
-        pf.remove()
+        pf.detach()
 
 
 def _cuda_model(cfg, dtype):

@@ -39,7 +39,7 @@ tree verify); on CUDA (the GPU bench) the same with graphs, both streams, fp32 a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
-    from specpilot.models.transformer import Transformer
+    from specpilot.models.transformer import DecoderLayer, Transformer
 
 NEXT_MATRIX = {
     "input_norm": "w_qkv",
@@ -76,11 +76,15 @@ MiB = 1 << 20
 
 @dataclass(slots=True)
 class PhasePrefetch:
-    """One idle point of one layer: prefetch ``nbytes`` of ``weight``, on a side stream or not."""
+    """One idle point of one layer: prefetch ``nbytes`` of ``weight``, on a side stream or not.
+    ``start`` is the hook at ``point``; ``join`` (side stream only) the hook at ``matrix``."""
 
     owner: L2Prefetch
     weight: Tensor  # [N, K] the matrix after the phase
     nbytes: int
+    layer: DecoderLayer | None = None
+    point: str = ""
+    matrix: str = ""
     forked: bool = False
 
     def start(self) -> None:
@@ -106,12 +110,20 @@ class PhasePrefetch:
             torch.cuda.current_stream(side.device).wait_stream(side)
             self.forked = False
 
+    def hooks(self) -> dict[str, Callable[[], None]]:
+        """Point of the layer body → hook."""
+        out: dict[str, Callable[[], None]] = {self.point: self.start}
+        if self.owner.side is not None:
+            out[self.matrix] = self.join
+        return out
+
 
 @dataclass(slots=True)
 class L2Prefetch:
-    """The installed prefetches of one model; :meth:`remove` takes them out again."""
+    """The prefetches of one model: :meth:`attach` puts their hooks in its layers, :meth:`detach`
+    takes them out (a CUDA graph captured meanwhile keeps what it captured)."""
 
-    model: Transformer
+    device: torch.device
     spec: PrefetchSpec
     side: torch.cuda.Stream | None
     """The side stream (knob ``stream=side`` on CUDA), else None: the step's own stream."""
@@ -119,29 +131,54 @@ class L2Prefetch:
     issued: int = 0
     """Prefetches requested so far (inside capture on CUDA; every call on the CPU)."""
 
-    @property
-    def cuda(self) -> bool:
-        return self.model.device.type == "cuda"
-
     def active(self) -> bool:
         """Issue now? Inside CUDA-graph capture on CUDA; always elsewhere (no-op or interpreted)."""
-        return not self.cuda or torch.cuda.is_current_stream_capturing()
+        return self.device.type != "cuda" or torch.cuda.is_current_stream_capturing()
 
     @property
     def prefetch_bytes(self) -> int:
         """Bytes prefetched per forward (all layers)."""
         return sum(p.nbytes for p in self.phases)
 
-    def remove(self) -> None:
-        """Take every hook this object installed out of the model's layers."""
-        mine = {id(p) for p in self.phases}
-        for layer in self.model.layers:
-            hooks: dict[str, Any] = layer.phase_hooks  # type: ignore[assignment]
-            for point in [
-                k for k, fn in hooks.items() if id(getattr(fn, "__self__", None)) in mine
-            ]:
-                del hooks[point]
-        self.phases.clear()
+    def attach(self) -> None:
+        """Install every hook; refuses (installing none) a point another hook holds."""
+        for p in self.phases:
+            assert p.layer is not None
+            for point in p.hooks():
+                if point in p.layer.phase_hooks:
+                    raise SpecPilotError(
+                        f"Another mechanism already hooks '{point}' of the layer body; "
+                        "L2 prefetch cannot share it."
+                    )
+        for p in self.phases:
+            assert p.layer is not None
+            p.layer.phase_hooks.update(p.hooks())
+
+    def detach(self) -> None:
+        """Take every hook this object installed out of its layers."""
+        for p in self.phases:
+            assert p.layer is not None
+            for point, fn in p.hooks().items():
+                if p.layer.phase_hooks.get(point) == fn:
+                    del p.layer.phase_hooks[point]
+
+    def compile(self) -> None:
+        """Launch every prefetch once now (CUDA), so that Triton compiles and loads the kernel
+        outside any graph capture."""
+        if launch_mode(self.device) == "asm":
+            for p in self.phases:
+                prefetch_l2(p.weight, p.nbytes, self.spec)
+            torch.cuda.synchronize(self.device)
+
+
+def installed(model: Transformer) -> L2Prefetch | None:
+    """The :class:`L2Prefetch` whose hooks are in ``model``'s layers, if any."""
+    for layer in model.layers:
+        for fn in layer.phase_hooks.values():  # type: ignore[operator]
+            owner = getattr(getattr(fn, "__self__", None), "owner", None)
+            if isinstance(owner, L2Prefetch):
+                return owner
+    return None
 
 
 def resolve_instruction(instruction: str, device: torch.device) -> str:
@@ -180,7 +217,7 @@ def install(
     dev = model.device
     spec = PrefetchSpec(resolve_instruction(instruction, dev), programs)
     side = torch.cuda.Stream(dev) if dev.type == "cuda" and stream == "side" else None
-    pf = L2Prefetch(model=model, spec=spec, side=side)
+    pf = L2Prefetch(device=dev, spec=spec, side=side)
     cap = l2_bytes(dev)
     want = int(mb * MiB)
     for layer in model.layers:
@@ -191,22 +228,9 @@ def install(
                 continue
             weight: Tensor = getattr(layer, matrix)
             nbytes = min(want, weight.numel() * weight.element_size(), cap or want)
-            for hook_point in (point, matrix):
-                if hook_point in layer.phase_hooks:
-                    pf.remove()
-                    raise SpecPilotError(
-                        f"Another mechanism already hooks '{hook_point}' of the layer body; "
-                        "L2 prefetch cannot share it."
-                    )
-            p = PhasePrefetch(pf, weight, nbytes)
-            layer.phase_hooks[point] = p.start
-            if side is not None:
-                layer.phase_hooks[matrix] = p.join
-            pf.phases.append(p)
-    if launch_mode(dev) == "asm":  # compile and load the kernel now, never inside a capture
-        for p in pf.phases:
-            prefetch_l2(p.weight, p.nbytes, spec)
-        torch.cuda.synchronize(dev)
+            pf.phases.append(PhasePrefetch(pf, weight, nbytes, layer, point, matrix))
+    pf.attach()
+    pf.compile()
     return pf
 
 
@@ -267,6 +291,7 @@ __all__ = [
     "L2Prefetch",
     "PhasePrefetch",
     "install",
+    "installed",
     "l2_bytes",
     "resolve_instruction",
 ]
