@@ -93,6 +93,8 @@ class PhasePrefetch:
         if not pf.active():
             return
         pf.issued += 1
+        if pf.mode == "none":  # the CPU: nothing to launch
+            return
         side = pf.side
         if side is None:
             prefetch_l2(self.weight, self.nbytes, pf.spec)
@@ -130,6 +132,11 @@ class L2Prefetch:
     phases: list[PhasePrefetch] = field(default_factory=list)
     issued: int = 0
     """Prefetches requested so far (inside capture on CUDA; every call on the CPU)."""
+    mode: str = ""
+    """``kernels/l2_prefetch.launch_mode`` of the device, fixed at construction."""
+
+    def __post_init__(self) -> None:
+        self.mode = launch_mode(self.device)
 
     def active(self) -> bool:
         """Issue now? Inside CUDA-graph capture on CUDA; always elsewhere (no-op or interpreted)."""
@@ -165,7 +172,7 @@ class L2Prefetch:
     def compile(self) -> None:
         """Launch every prefetch once now (CUDA), so that Triton compiles and loads the kernel
         outside any graph capture."""
-        if launch_mode(self.device) == "asm":
+        if self.mode == "asm":
             for p in self.phases:
                 prefetch_l2(p.weight, p.nbytes, self.spec)
             torch.cuda.synchronize(self.device)

@@ -54,6 +54,16 @@ def phase_bytes(cfg: ModelConfig, point: str, context: int, rows: int, dtype_byt
     return 0
 
 
+def saved_time(
+    fetch_bytes: int, window_s: float, bandwidth_Bps: float, launch_s: float, stream: str
+) -> float:
+    """Seconds one prefetch of ``fetch_bytes`` before an idle window of ``window_s`` saves."""
+    fetch = fetch_bytes / bandwidth_Bps
+    if stream == "side":
+        return min(fetch, window_s)
+    return min(fetch, window_s + launch_s) - launch_s
+
+
 @dataclass(frozen=True, slots=True)
 class PhaseSaving:
     point: str
@@ -107,9 +117,9 @@ def predict(
         else:
             busy = phase_bytes(cfg, point, context, rows, dtype_bytes) / bandwidth_Bps
             w = max(0.0, PHASE_KERNELS[point] * launch_s - busy)
-        fetch = b / bandwidth_Bps
-        saved = min(fetch, w) if stream == "side" else min(fetch, w + launch_s) - launch_s
-        out.append(PhaseSaving(point, matrix, b, w, saved))
+        out.append(
+            PhaseSaving(point, matrix, b, w, saved_time(b, w, bandwidth_Bps, launch_s, stream))
+        )
     return L2PrefetchPrediction(tuple(out), cfg.num_layers)
 
 
@@ -121,4 +131,5 @@ __all__ = [
     "matrix_bytes",
     "phase_bytes",
     "predict",
+    "saved_time",
 ]
