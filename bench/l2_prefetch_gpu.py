@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from specpilot.bench.gpu_ceilings import copy_bandwidth
+from specpilot.bench.l2_prefetch import table
 from specpilot.bench.records import git_rev
 from specpilot.costmodel.measure import capture_graph
 from specpilot.kernels import reference
@@ -363,61 +364,6 @@ def pick_best(micro: dict[str, Any], tiny: bool, mibs: list[float]) -> dict[str,
                 total[name] = total.get(name, 0.0) + weight * row["saved_s"]["median"]
     name = max(total, key=lambda n: total[n]) if total else None
     return {"name": name, "knobs": knobs.get(name) if name else None, "scores": total}
-
-
-def table(out: dict[str, Any]) -> str:
-    lines = []
-    sec = out["sections"]
-    c = sec.get("checks", {})
-    if isinstance(c, dict) and c:
-        lines.append(
-            f"checks: ptx bulk {c['ptx_has_bulk']} line {c['ptx_has_line']}; copy "
-            f"{c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; smallest prefetch launch "
-            f"{c['launch_s'] * 1e6:.2f} us; L2 {c['l2_bytes'] / MiB:.0f} MiB"
-        )
-    for size, row in (sec.get("efficacy") or {}).items():
-        if isinstance(row, dict):
-            parts = [f"{n} {v['s'] * 1e6:.1f}us ({100 * v['l2_fraction']:.0f}% L2)"
-                     for n, v in row.items() if isinstance(v, dict)]  # fmt: skip
-            lines.append(
-                f"efficacy {size}: cold {row['cold_s'] * 1e6:.1f}us warm "
-                f"{row['warm_read_s'] * 1e6:.1f}us | " + "; ".join(parts)
-            )
-    for pair, res in (sec.get("micro") or {}).items():
-        if not isinstance(res, dict):
-            lines.append(f"micro {pair}: {res}")
-            continue
-        base = res["variants"]["none"]["segment_s"]["median"]
-        lines.append(
-            f"micro {pair}: none {base * 1e6:.2f}us/segment (idle {res['window_s'] * 1e6:.2f}us, "
-            f"gemv {res['gemv_s']['median'] * 1e6:.2f}us), outputs equal {res['outputs_equal']}"
-        )
-        ranked = sorted(res["variants"].items(), key=lambda kv: -kv[1]["saved_s"]["median"])
-        for name, row in ranked[:4]:
-            s = row["saved_s"]
-            lines.append(
-                f"   {name:28s} saved {s['median'] * 1e6:+.2f}us ({s['lo'] * 1e6:+.2f}.."
-                f"{s['hi'] * 1e6:+.2f}) predicted {row['predicted_saved_s'] * 1e6:+.2f}us"
-            )
-    best = sec.get("best")
-    if best:
-        lines.append(f"best micro variant: {best['name']}")
-    for ctx, res in (sec.get("e2e") or {}).items():
-        if ctx in ("shape", "assumptions"):
-            continue
-        if not isinstance(res, dict) or "arms" not in res:
-            lines.append(f"e2e {ctx}: {res if not isinstance(res, dict) else res.get('error')}")
-            continue
-        lines.append(
-            f"e2e ctx {ctx}: off {res['off_tok_s']:.1f} tok/s, tokens equal {res['tokens_equal']}"
-        )
-        for label, arm in res["arms"].items():
-            lines.append(
-                f"   {label:40s} {arm['tok_s']:.1f} tok/s  x{arm['ratio']['median']:.3f} "
-                f"({arm['ratio']['lo']:.3f}-{arm['ratio']['hi']:.3f}) {arm['ratio']['verdict']}; "
-                f"predicted x{arm['predicted_speedup']:.3f}; prefetches {arm['issued']}"
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

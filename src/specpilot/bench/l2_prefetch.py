@@ -1,4 +1,5 @@
-"""End to end for ``bench/l2_prefetch_gpu.py``: AR decode with mechanism ``l2-prefetch`` off and on.
+"""End to end for ``bench/l2_prefetch_gpu.py`` — AR decode with mechanism ``l2-prefetch`` off and
+on — and the script's printed table.
 
 One target (the llama3-8b shape with random bf16 weights on CUDA; ``tiny-llama`` in fp32 on the
 CPU) and one engine per arm, each built by ``build_engine`` — the composition root every command
@@ -24,7 +25,7 @@ from specpilot.engine import Engine, generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.mechanisms import MECHANISMS
-from specpilot.mechanisms.l2_prefetch import L2Prefetch, install, installed, l2_bytes
+from specpilot.mechanisms.l2_prefetch import L2Prefetch, MiB, install, installed, l2_bytes
 from specpilot.mechanisms.l2_prefetch_cost import ASSUMPTIONS, predict
 from specpilot.runtime import LoadedModel
 from specpilot.synthetic import build_target
@@ -162,4 +163,60 @@ def _windows(measured: Mapping[str, float], ctx: int) -> dict[str, float]:
     return out
 
 
-__all__ = ["arm_knobs", "run_e2e"]
+def table(out: dict[str, Any]) -> str:
+    """The short table ``bench/l2_prefetch_gpu.py`` prints last, from its JSON."""
+    lines = []
+    sec = out["sections"]
+    c = sec.get("checks", {})
+    if isinstance(c, dict) and c:
+        lines.append(
+            f"checks: ptx bulk {c['ptx_has_bulk']} line {c['ptx_has_line']}; copy "
+            f"{c['copy_bandwidth_Bps'] / 1e12:.2f} TB/s; smallest prefetch launch "
+            f"{c['launch_s'] * 1e6:.2f} us; L2 {c['l2_bytes'] / MiB:.0f} MiB"
+        )
+    for size, row in (sec.get("efficacy") or {}).items():
+        if isinstance(row, dict):
+            parts = [f"{n} {v['s'] * 1e6:.1f}us ({100 * v['l2_fraction']:.0f}% L2)"
+                     for n, v in row.items() if isinstance(v, dict)]  # fmt: skip
+            lines.append(
+                f"efficacy {size}: cold {row['cold_s'] * 1e6:.1f}us warm "
+                f"{row['warm_read_s'] * 1e6:.1f}us | " + "; ".join(parts)
+            )
+    for pair, res in (sec.get("micro") or {}).items():
+        if not isinstance(res, dict):
+            lines.append(f"micro {pair}: {res}")
+            continue
+        base = res["variants"]["none"]["segment_s"]["median"]
+        lines.append(
+            f"micro {pair}: none {base * 1e6:.2f}us/segment (idle {res['window_s'] * 1e6:.2f}us, "
+            f"gemv {res['gemv_s']['median'] * 1e6:.2f}us), outputs equal {res['outputs_equal']}"
+        )
+        ranked = sorted(res["variants"].items(), key=lambda kv: -kv[1]["saved_s"]["median"])
+        for name, row in ranked[:4]:
+            s = row["saved_s"]
+            lines.append(
+                f"   {name:28s} saved {s['median'] * 1e6:+.2f}us ({s['lo'] * 1e6:+.2f}.."
+                f"{s['hi'] * 1e6:+.2f}) predicted {row['predicted_saved_s'] * 1e6:+.2f}us"
+            )
+    best = sec.get("best")
+    if best:
+        lines.append(f"best micro variant: {best['name']}")
+    for ctx, res in (sec.get("e2e") or {}).items():
+        if ctx in ("shape", "assumptions"):
+            continue
+        if not isinstance(res, dict) or "arms" not in res:
+            lines.append(f"e2e {ctx}: {res if not isinstance(res, dict) else res.get('error')}")
+            continue
+        lines.append(
+            f"e2e ctx {ctx}: off {res['off_tok_s']:.1f} tok/s, tokens equal {res['tokens_equal']}"
+        )
+        for label, arm in res["arms"].items():
+            lines.append(
+                f"   {label:40s} {arm['tok_s']:.1f} tok/s  x{arm['ratio']['median']:.3f} "
+                f"({arm['ratio']['lo']:.3f}-{arm['ratio']['hi']:.3f}) {arm['ratio']['verdict']}; "
+                f"predicted x{arm['predicted_speedup']:.3f}; prefetches {arm['issued']}"
+            )
+    return "\n".join(lines)
+
+
+__all__ = ["arm_knobs", "run_e2e", "table"]
