@@ -9,6 +9,7 @@ that the one engine replaced were removed with them.)
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,3 +73,21 @@ def test_tree_accept_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert all("simulated acceptance" in r["label"] and "sibling=0.5" in r["label"] for r in trees)
     assert all(r["mechanisms"]["tree-verify"]["max_nodes"] in (6, 10) for r in trees)
     assert "simulated acceptance" in saved["label"]
+
+
+def test_l2_prefetch_gpu_script_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
+    import importlib.util as iu
+
+    spec = iu.spec_from_file_location("l2_prefetch_gpu", ROOT / "bench" / "l2_prefetch_gpu.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "2", "--mib", "2"])
+    saved = json.loads((tmp_path / "l2_prefetch_gpu.json").read_text())["sections"]
+    assert not [name for name, sec in saved.items() if isinstance(sec, dict) and "error" in sec]
+    assert saved["micro"] and all(pair["outputs_equal"] for pair in saved["micro"].values())
+    assert saved["best"]["knobs"] is not None
+    runs = [v for k, v in saved["e2e"].items() if k not in ("shape", "assumptions")]
+    assert runs and all(r["tokens_equal"] for r in runs)
+    assert all(arm["issued"] > 0 for r in runs for arm in r["arms"].values())

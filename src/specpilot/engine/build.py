@@ -3,9 +3,10 @@
 ``build_engine`` loads the target (or reuses one), builds the drafter, wraps it for simulated
 acceptance when the deployment asks for it, and applies every enabled mechanism in order. The
 core never names a mechanism: each receives this build and changes it through the plug points
-it declared (the target's ``linear_fns`` and ``argmax_head``, the drafter, the verify plan's
-width and tree policies). ``generate``, ``bench``, ``profile``, ``tune``, ``compare``, ``verify``
-and ``serve`` all get their engine, their AR baseline and their scheduler from here.
+it declared (the target's ``linear_fns``, ``phase_hooks`` and ``argmax_head``, the drafter, the
+verify plan's width and tree policies). ``generate``, ``bench``, ``profile``, ``tune``,
+``compare``, ``verify`` and ``serve`` all get their engine, their AR baseline and their
+scheduler from here.
 """
 
 from __future__ import annotations

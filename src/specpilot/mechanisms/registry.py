@@ -37,6 +37,7 @@ PLUG_POINTS = (
     "drafter_schedule",  # how many tokens to draft, and when
     "kernel_choice",  # kernels and layouts with identical results per token
     "runtime",  # launch overhead: CUDA graphs, compilation
+    "layer_phases",  # work between the layer body's steps that changes no value (L2 prefetch)
 )
 
 

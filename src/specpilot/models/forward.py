@@ -15,8 +15,10 @@ Two ways to run the small ops, numerically the stock ones up to rounding:
 * otherwise the torch references (``kernels/reference.py``): the **stock** rounding order, which
   ``Transformer.forward`` (what token forcing trusts) always uses.
 
-Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12)
-and ``Transformer.argmax_head`` (the LM-head argmax). On the CPU a one-row product uses the
+Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12),
+``DecoderLayer.phase_hooks`` (work launched before a step of the layer body that changes no value,
+e.g. the L2 prefetch of ``mechanisms/l2_prefetch.py``; the steps are ``PHASE_POINTS``) and
+``Transformer.argmax_head`` (the LM-head argmax). On the CPU a one-row product uses the
 layer's ``[in, out]`` copy when the model keeps one (``Transformer.add_gemv_copies``).
 """
 
@@ -68,6 +70,38 @@ class Network(Protocol):
 
 
 NetT = TypeVar("NetT", bound=Network)
+
+PHASE_POINTS = (
+    "input_norm",
+    "w_qkv",
+    "attention",
+    "w_o",
+    "post_attn_norm",
+    "w_gate_up",
+    "silu_mul",
+    "w_down",
+)
+"""The steps of the layer body, in order, before each of which a ``DecoderLayer.phase_hooks``
+entry of that name is called: the small phases (the norms, RoPE + K/V write + attention,
+SiLU·mul) and the four matrices."""
+
+
+def _no_hook(point: str) -> None:
+    return None
+
+
+def _phase_hooks(layer: DecoderLayer) -> Callable[[str], None]:
+    """``at(point)``: calls the layer's hook for that point of ``PHASE_POINTS``, if it has one."""
+    hooks = layer.phase_hooks
+    if not hooks:
+        return _no_hook
+
+    def at(point: str) -> None:
+        fn = hooks.get(point)
+        if fn is not None:
+            fn()
+
+    return at
 
 
 class Forward(Generic[NetT]):
@@ -184,6 +218,8 @@ class Forward(Generic[NetT]):
         normed token embedding, then the normed hidden state; ``w_qkv`` is ``[q + 2kv, P + H]``)
         while the residual stays ``x``. None for every other network."""
         cfg = self.cfg
+        at = _phase_hooks(layer)
+        at("input_norm")
         hn = self.norm(x, layer.input_norm)
         if attn_prefix is not None:
             hn = torch.cat([attn_prefix, hn], dim=-1)  # [M, P + hidden]
@@ -191,19 +227,27 @@ class Forward(Generic[NetT]):
         rows = lay.block if isinstance(lay, DenseLayout) and lay.block else lay.width
         if conv_a is not None:
             hn, dyn_a = conv_a.prepare(hn, rows)
+        at("w_qkv")
         qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
+        at("attention")
         q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
         attn = F.scaled_dot_product_attention(
             q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
         )  # [B, H_kv, G*W, D]
+        at("w_o")
         if conv_a is None:
             x = self.linear_residual(x, lay.gather(attn), layer, "w_o")
         else:
             x = x + conv_a.finish(self.linear(layer, "w_o", lay.gather(attn)), dyn_a, rows)
+        at("post_attn_norm")
         hn = self.norm(x, layer.post_attn_norm)
         if conv_m is not None:
             hn, dyn_m = conv_m.prepare(hn, rows)
-        act = self.silu_mul(self.linear(layer, "w_gate_up", hn))  # [M, I]
+        at("w_gate_up")
+        gate_up = self.linear(layer, "w_gate_up", hn)  # [M, 2I]
+        at("silu_mul")
+        act = self.silu_mul(gate_up)  # [M, I]
+        at("w_down")
         if conv_m is None:
             return self.linear_residual(x, act, layer, "w_down")
         return x + conv_m.finish(self.linear(layer, "w_down", act), dyn_m, rows)

@@ -50,6 +50,10 @@ class DecoderLayer(nn.Module):
         # Plug point "linear_weights": name -> fn(x [.., in], bias) computing F.linear(x, w, bias)
         # from another storage of bit-identical weights (e.g. mechanisms/w12.py).
         self.linear_fns: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {}
+        # Plug point "layer_phases": point -> fn() called just before that step of the layer body
+        # (``models/forward.PHASE_POINTS``). A hook must not change any value the forward reads
+        # (e.g. mechanisms/l2_prefetch.py issues L2 prefetches of the next matrix).
+        self.phase_hooks: dict[str, Callable[[], None]] = {}
         self.input_norm = p(h)
         self.post_attn_norm = p(h)
         self.w_qkv = p(qkv, h)
