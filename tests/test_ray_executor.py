@@ -220,3 +220,10 @@ def test_tune_command_reports_workers_device_seconds_and_wall_time(cluster, tmp_
     report = (out / "report.md").read_text()
     assert "summed over 2 worker(s)" in report and "wall time" in report
     assert "| worker |" in report and "| w1 |" in report
+
+
+def test_workers_that_cannot_load_the_target_are_a_clear_error(cluster, tmp_path):
+    log: list[str] = []
+    with pytest.raises(SpecPilotError, match=r"No Ray worker started \(w0: .*; w1: "):
+        executor(tmp_path / "missing-model", log)
+    assert "worker w0 did not start" in "\n".join(log)

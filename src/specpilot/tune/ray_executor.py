@@ -136,28 +136,33 @@ class RayExecutor:
                 log_to_driver=False,
                 ignore_reinit_error=True,
             )
-        n, resource = placement(device.type, ray.cluster_resources(), workers)
         self.attempts, self.restart_timeout_s = attempts, restart_timeout_s
-        remote = ray.remote(max_restarts=max_restarts, max_task_retries=0, **{resource: 1})(
-            actor_cls or EvalActor
-        )
-        each = "one GPU each" if resource == "num_gpus" else "one CPU each"
-        self._say(f"starting {n} Ray workers ({each}); each loads the target and measures AR")
-        actors = [
-            (
-                f"w{i}",
-                remote.remote(f"w{i}", base, list(prompts), max_new_tokens, stream, graphs, rounds),
-            )
-            for i in range(n)
-        ]
         self._workers: list[_Worker] = []
         self._flight: dict[Any, tuple[_Worker, int | None]] = {}
         """What is in flight: a trial (its index in the current ``stream`` call) or a ping."""
-        ready: list[dict[str, Any]] = []
-        failures = []
+        try:
+            n, resource = placement(device.type, ray.cluster_resources(), workers)
+            remote = ray.remote(max_restarts=max_restarts, max_task_retries=0, **{resource: 1})(
+                actor_cls or EvalActor
+            )
+            each = "one GPU each" if resource == "num_gpus" else "one CPU each"
+            self._say(f"starting {n} Ray workers ({each}); each loads the target and measures AR")
+            given = (base, list(prompts), max_new_tokens, stream, graphs, rounds)
+            actors = [(f"w{i}", remote.remote(f"w{i}", *given)) for i in range(n)]
+            ready = self._start(actors)
+        except BaseException:
+            self.close()
+            raise
+        self.ar_tok_s = sum(i["ar_tok_s"] for i in ready) / len(ready)
+        self.arch, self.num_layers = str(ready[0]["arch"]), int(ready[0]["num_layers"])
+        self.usage = Usage.of("ray", device.type, [w.name for w in self._workers])
+
+    def _start(self, actors: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Wait for every actor to load its target; keep those that did (none: an error)."""
+        ray, ready, failures = self._ray, [], []
         for name, actor in actors:
             try:
-                info = ray.get(actor.ready.remote())
+                info = ray.get(actor.ready.remote(), timeout=self.restart_timeout_s)
             except ray.exceptions.RayError as e:
                 failures.append(f"{name}: {_short(e)}")
                 self._say(f"worker {name} did not start: {_short(e)}")
@@ -167,14 +172,18 @@ class RayExecutor:
             ready.append(info)
             self._say(f"worker {name} ready (pid {info['pid']}): AR {info['ar_tok_s']:.1f} tok/s")
         if not self._workers:
-            raise SpecPilotError(f"No Ray worker started ({'; '.join(failures)}).")
-        self.ar_tok_s = sum(i["ar_tok_s"] for i in ready) / len(ready)
-        self.arch, self.num_layers = str(ready[0]["arch"]), int(ready[0]["num_layers"])
-        self.width = len(self._workers)
-        """Workers (what a caller of ``map`` may send at once to keep every one busy)."""
-        self.usage = Usage.of("ray", device.type, [w.name for w in self._workers])
+            raise SpecPilotError(
+                f"No Ray worker started ({'; '.join(failures)}): the workers' logs are under "
+                "Ray's session_latest/logs."
+            )
+        return ready
 
     # ------------------------------------------------------------------ the executor
+    @property
+    def width(self) -> int:
+        """Live workers (what a caller of ``map`` may send at once to keep every one busy)."""
+        return len(self._live())
+
     def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
         return self.stream(configs)
 
@@ -209,7 +218,7 @@ class RayExecutor:
     def _died(self, w: _Worker, error: BaseException) -> None:
         """A worker's process died: count it, and ask whether Ray brings it back (the ping is
         answered once the restarted actor has loaded its target)."""
-        w.state, w.since, w.death = "restarting", time.perf_counter(), _short(error)
+        w.state, w.since, w.death = "restarting", time.perf_counter(), _death(error)
         self.usage.workers[w.name].deaths += 1
         self._flight[w.actor.ready.remote()] = (w, None)
 
@@ -346,7 +355,7 @@ class _Dispatch:
         ex, cfg = self.ex, self.configs[i]
         lasted = self.held(w)
         self.spent[i] += lasted
-        death = f"worker {w.name} (pid {w.pid}) died after {lasted:.0f}s: {_short(error)}"
+        death = f"worker {w.name} (pid {w.pid}) died after {lasted:.0f}s: {_death(error)}"
         self.deaths[i].append(death)
         ex._say(f"{death}, during {describe(cfg)}")
         ex._died(w, error)
@@ -366,6 +375,13 @@ class _Dispatch:
         self.ex.usage.record(r)
         if self.on_result is not None:
             self.on_result(r)
+
+
+def _death(error: BaseException) -> str:
+    """How a worker died, in words: Ray's unavailable-actor message names only a socket."""
+    if type(error).__name__ == "ActorUnavailableError":
+        return "its process exited or was killed (ActorUnavailableError)"
+    return _short(error)
 
 
 def _short(error: BaseException, limit: int = 160) -> str:
