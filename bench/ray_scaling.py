@@ -30,6 +30,11 @@ tokenizer (from the cache), the n-gram drafter, on the CPU.
 
 Appends one record per tune run to ``DIR/runs.jsonl`` (a rerun with the same ``--out`` skips runs
 already there), writes ``DIR/ray_scaling.json`` and prints a short table last.
+
+The GPU machine has no Ray: carry the wheels of ``bench/ray_wheels.py`` (about 50 MB) and install
+them first (``pip install --no-index --no-deps --target /tmp/site .whl/ray/*.whl``, then
+``PYTHONPATH=/tmp/site:src``). A run that does not fit one call goes on in the next with the same
+``--out`` on the same (warm) machine.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import statistics
@@ -149,7 +155,8 @@ def tune_command(args: argparse.Namespace, target: Path, workers: int, run_dir: 
 # ----------------------------------------------------------------------------- one tune run
 def run_tune(args: argparse.Namespace, cmd: list[str], run_dir: Path, kill: bool) -> dict[str, Any]:
     """Run one tune (killing w1 mid-run if ``kill``); its log, exit status, times, and memory."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # what a run cut short left
+    run_dir.mkdir(parents=True)
     rec: dict[str, Any] = {"pids": {}, "killed": None}
     t0 = time.perf_counter()
     proc = subprocess.Popen(
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan += [(n, 0, True)] if args.kill else []
     records = []
     for workers, repeat, kill in plan:
-        key = {"workers": workers, "repeat": repeat, "kill": kill, "trials": args.trials}
+        key = {"workers": workers, "repeat": repeat, "kill": kill, "per_direction": args.trials}
         old = [d for d in done if all(d.get(k) == v for k, v in key.items())]
         if old:
             records.append(old[0])
