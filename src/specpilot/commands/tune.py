@@ -16,6 +16,7 @@ from specpilot.loading.fetch import cache_dir
 
 if TYPE_CHECKING:
     from specpilot.tune.evaluate_batched import BatchedStream
+    from specpilot.tune.ray_executor import RayExecutor
 
 
 def default_memory() -> Path:
@@ -99,7 +100,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--ray-address", default=None, help="Ray cluster address (default: start a local one)"
     )
     p.add_argument(
-        "--workers", type=int, default=None, help="Ray workers (default: one per GPU, or 1)"
+        "--workers",
+        type=int,
+        default=None,
+        help="Ray workers, one GPU (or CPU) each (default: every GPU of the cluster, or 1 on the "
+        "CPU)",
     )
     p.add_argument(
         "--memory",
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.memory import MemoryStore, fingerprint_deployment
     from specpilot.runtime import parse_device
     from specpilot.tune.evaluate_batched import BatchedStream
-    from specpilot.tune.executors import Executor, LocalExecutor, RayExecutor
+    from specpilot.tune.executors import LocalExecutor
     from specpilot.tune.loop import STATIC_GAP_ORDER, TuneLoop, TuneSettings
     from specpilot.tune.report import write_report
     from specpilot.tune.space import directions_for
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     device = parse_device(dep.device)
     batched = dep.mode == "batched"
     stream = BatchedStream(args.concurrency, args.requests) if batched else None
-    executor: Executor
+    executor: LocalExecutor | RayExecutor
     prompts_spec = load_prompt_set(args.prompts, args.limit)
     from specpilot.loading import load_tokenizer, resolve_model
 
@@ -193,22 +198,27 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     graphs, rounds = args.graphs, args.measure_rounds
+    say = lambda m: print(f"    [{time.perf_counter() - started:.0f}s] {m}", flush=True)  # noqa: E731
     if args.executor == "ray":
         try:
-            executor = RayExecutor(
-                base,
-                prompts,
-                args.max_new_tokens,
-                args.ray_address,
-                args.workers,
-                stream,
-                graphs,
-                rounds,
-            )
+            import ray  # noqa: F401
         except ImportError:
             raise SpecPilotError(
                 "--executor ray needs Ray: pip install 'specpilot[tune]'."
             ) from None
+        from specpilot.tune.ray_executor import RayExecutor
+
+        executor = RayExecutor(
+            base,
+            prompts,
+            args.max_new_tokens,
+            args.ray_address,
+            args.workers,
+            stream,
+            graphs,
+            rounds,
+            progress=say,
+        )
     else:
         executor = LocalExecutor(
             base,
@@ -218,12 +228,9 @@ def run(args: argparse.Namespace) -> int:
             graphs,
             rounds,
             width=args.trials,
-            progress=lambda m: print(f"    [{time.perf_counter() - started:.0f}s] {m}", flush=True),
+            progress=say,
         )
-    arch, num_layers = "llama", None
-    if isinstance(executor, LocalExecutor):
-        arch = executor.evaluator.stock.model.cfg.arch
-        num_layers = executor.evaluator.stock.model.cfg.num_layers
+    arch, num_layers = executor.arch, executor.num_layers
     fp = fingerprint_deployment(
         dep.target, dep.drafter, dep.draft_model, device, dep.dtype, dep.mode
     )
@@ -284,8 +291,11 @@ def run(args: argparse.Namespace) -> int:
     tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
     base.save(stock)
-    write_run(args.out, args.prompts, args.limit, args.compare_limit, args.max_new_tokens, rounds)
-    report = write_report(outcome, label, device.type, args.out, tuned, notes)
+    search = outcome.usage.to_dict(outcome.wall_seconds)
+    write_run(
+        args.out, args.prompts, args.limit, args.compare_limit, args.max_new_tokens, rounds, search
+    )
+    report = write_report(outcome, label, args.out, tuned, notes)
     from specpilot.tune.report import verdict_lines
 
     print(
@@ -294,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in verdict_lines(outcome):
         print(f"  {line}")
+    print(f"search: {outcome.usage.summary(outcome.wall_seconds)}")
     print(f"engine config: {tuned}\nreport: {report}")
     for r in outcome.reused:
         print(f"reused from memory: {r}")

@@ -85,17 +85,26 @@ def held_out_compare(
 
 
 def write_run(
-    out: Path, prompts: str, tuning: int, held_out: int, max_new_tokens: int, rounds: int
+    out: Path,
+    prompts: str,
+    tuning: int,
+    held_out: int,
+    max_new_tokens: int,
+    rounds: int,
+    search: dict[str, Any] | None = None,
 ) -> None:
     """``run.json`` beside ``tuned.json``: what this tune measured on, so that a later
-    ``specpilot compare --engine tuned.json`` repeats its held-out compare by default."""
-    run = {
+    ``specpilot compare --engine tuned.json`` repeats its held-out compare by default; and, under
+    ``search``, what the search cost (workers, device-seconds summed over them, wall time)."""
+    run: dict[str, Any] = {
         "prompts": prompts,
         "skip": tuning,
         "limit": held_out,
         "max_new_tokens": max_new_tokens,
         "rounds": rounds,
     }
+    if search is not None:
+        run["search"] = search
     (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
 

@@ -23,7 +23,7 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specpilot.bench.protocol import Measurement, Ratio, Sample, interleave, timed
 from specpilot.costmodel.bound import FORMULA, engine_speedup_bound
@@ -33,6 +33,9 @@ from specpilot.engine.config import EngineConfig
 from specpilot.forcing import ForcingReport, force_tokens
 from specpilot.runtime import LoadedModel, load_model, parse_device, parse_dtype
 from specpilot.tune.space import describe
+
+if TYPE_CHECKING:
+    from specpilot.memory.store import TrialRow
 
 ANOMALY_SLACK = 0.05
 """Margin over the cost-model bound (AR's own per-step overhead) before a speedup is suspect."""
@@ -59,6 +62,10 @@ class TrialResult:
     """Most speedup the cost model allows this trial (τ · t_AR / t_forward)."""
     anomaly: str | None = None
     """Why the speedup could not be explained, when it could not: then it is never a winner."""
+    worker: str = "local"
+    """The worker that measured it: ``local`` (this process) or a Ray actor's name (``w0``...)."""
+    busy_seconds: float = 0.0
+    """Seconds its worker spent on it, as the executor measured them (``tune/usage.py``)."""
 
     @property
     def ratio(self) -> Ratio:
@@ -72,6 +79,38 @@ class TrialResult:
     def spread_text(self) -> str:
         return self.ratio.text()
 
+    def verdict(self) -> str:
+        """``ok``, or why not: failed (not run to the end), rejected by token forcing, anomaly."""
+        if self.error is not None:
+            return f"FAILED: {self.error}"
+        if not self.forcing_ok:
+            return f"REJECTED by token forcing {self.forcing}"
+        if self.anomaly is not None:
+            return f"ANOMALY: {self.anomaly}"
+        return "ok"
+
+    @classmethod
+    def from_row(cls, config: EngineConfig, row: TrialRow) -> TrialResult:
+        """A trial recorded earlier (``tune --resume``), as stored: nothing is spent on it now."""
+        m = row.metrics
+        return cls(
+            config=config,
+            tok_s=m["tok_s"],
+            speedup=m["speedup"],
+            tau=m["tau"],
+            acceptance=m["acceptance"],
+            forcing_ok=row.forcing_ok,
+            forcing=row.forcing,
+            device_seconds=0.0,
+            wall_seconds=0.0,
+            phase_seconds=m.get("phase_seconds", {}),
+            error=m.get("error"),
+            rounds=list(m.get("speedup_rounds", [])),
+            bound=m.get("bound"),
+            anomaly=m.get("anomaly"),
+            worker=m.get("worker", "local"),
+        )
+
     def metrics(self) -> dict[str, Any]:
         return {
             "tok_s": self.tok_s,
@@ -83,6 +122,8 @@ class TrialResult:
             "bound": self.bound,
             "anomaly": self.anomaly,
             "error": self.error,
+            "worker": self.worker,
+            "busy_seconds": self.busy_seconds,
         }
 
 
@@ -285,15 +326,23 @@ class Evaluator:
         )
 
     def _failed(self, config: EngineConfig, message: str, wall: float) -> TrialResult:
-        return TrialResult(
-            config=config,
-            tok_s=0.0,
-            speedup=0.0,
-            tau=0.0,
-            acceptance=[],
-            forcing_ok=False,
-            forcing={"error": message},
-            device_seconds=0.0,
-            wall_seconds=wall,
-            error=message,
-        )
+        return failed_trial(config, message, wall)
+
+
+def failed_trial(
+    config: EngineConfig, message: str, wall_seconds: float, worker: str = "local"
+) -> TrialResult:
+    """A trial that could not be built or run to the end: reported with why, never a winner."""
+    return TrialResult(
+        config=config,
+        tok_s=0.0,
+        speedup=0.0,
+        tau=0.0,
+        acceptance=[],
+        forcing_ok=False,
+        forcing={"error": message},
+        device_seconds=0.0,
+        wall_seconds=wall_seconds,
+        error=message,
+        worker=worker,
+    )

@@ -1,18 +1,23 @@
-"""Where candidates are evaluated: in this process (default) or on a Ray cluster.
+"""Where candidates are evaluated: in this process (default) or on a Ray cluster
+(``tune/ray_executor.py``).
 
 Each worker owns an :class:`Evaluator` (the stock target, the prompts, its own AR baseline), so
-every speedup is a ratio measured in one process. With Ray, one actor per GPU (``num_gpus=1``),
-or ``workers`` CPU actors on a CPU-only cluster.
+every speedup is a ratio measured in one process. Every executor stamps each result with the
+worker that measured it and its busy seconds, and keeps their sum per worker (``usage``,
+``tune/usage.py``); workers never open the memory store: the loop, in this process, is its one
+writer.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol, runtime_checkable
 
 from specpilot.engine.config import EngineConfig
 from specpilot.tune.evaluate import Evaluator, TrialResult
 from specpilot.tune.evaluate_batched import BatchedEvaluator, BatchedStream
+from specpilot.tune.usage import Usage
 
 
 def make_evaluator(
@@ -39,6 +44,29 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class StreamingExecutor(Executor, Protocol):
+    """Hands trials to its workers one by one as they free up (the loop then records each result
+    as it arrives, and the budget is checked before every trial instead of every chunk)."""
+
+    def stream(
+        self,
+        configs: Sequence[EngineConfig],
+        admit: Callable[[], bool] | None = None,
+        on_result: Callable[[TrialResult], None] | None = None,
+    ) -> list[TrialResult]:
+        """Results of the configs that ran, in the order given. A config is started only while
+        ``admit()`` says so (once it says no, no later one starts); ``on_result`` is told of each
+        result as it comes back."""
+        ...
+
+
+def target_shape(evaluator: Evaluator) -> tuple[str, int]:
+    """(architecture, layers) of the evaluator's stock target (the directions depend on them)."""
+    cfg = evaluator.stock.model.cfg
+    return cfg.arch, cfg.num_layers
+
+
 class LocalExecutor:
     """Evaluates in this process; a chunk of ``width`` candidates shares its AR rounds."""
 
@@ -61,79 +89,19 @@ class LocalExecutor:
         self.ar_tok_s = self.evaluator.ar_tok_s
         self.width = width
         """Candidates evaluated at once (the loop checks its budget between such chunks)."""
+        self.arch, self.num_layers = target_shape(self.evaluator)
+        self.usage = Usage.of("local", self.evaluator.device.type, ["local"])
 
     def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
-        return self.evaluator.evaluate_many(configs)
+        t0 = time.perf_counter()
+        out = self.evaluator.evaluate_many(configs)
+        # The chunk's trials shared its AR rounds: its time is split in proportion to theirs.
+        spent, total = time.perf_counter() - t0, sum(r.wall_seconds for r in out)
+        for r in out:
+            r.worker = "local"
+            r.busy_seconds = spent * (r.wall_seconds / total if total > 0 else 1 / len(out))
+            self.usage.record(r)
+        return out
 
     def close(self) -> None:
         pass
-
-
-class RayExecutor:
-    """Spread evaluations over a Ray cluster (``address=None`` starts a local one)."""
-
-    def __init__(
-        self,
-        base: EngineConfig,
-        prompts: Sequence[list[int]],
-        max_new_tokens: int,
-        address: str | None = None,
-        workers: int | None = None,
-        stream: BatchedStream | None = None,
-        graphs: bool | None = None,
-        rounds: int = 3,
-    ) -> None:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(
-                address=address,
-                include_dashboard=False,
-                log_to_driver=False,
-                ignore_reinit_error=True,
-            )
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        n = workers or max(1, gpus)
-        actor_cls: Any = (
-            ray.remote(num_gpus=1)(_EvalActor) if gpus else ray.remote(num_cpus=1)(_EvalActor)
-        )
-        self._actors = [
-            actor_cls.remote(base, list(prompts), max_new_tokens, stream, graphs, rounds)
-            for _ in range(n)
-        ]
-        self._ray = ray
-        self.width = n
-        """Candidates evaluated at once (the loop checks its budget between such chunks)."""
-        self.ar_tok_s = sum(ray.get([a.ar_tok_s.remote() for a in self._actors])) / n
-
-    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
-        refs = [
-            self._actors[i % len(self._actors)].evaluate.remote(c) for i, c in enumerate(configs)
-        ]
-        return list(self._ray.get(refs))
-
-    def close(self) -> None:
-        for a in self._actors:
-            self._ray.kill(a)
-
-
-class _EvalActor:
-    def __init__(
-        self,
-        base: EngineConfig,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        stream: BatchedStream | None,
-        graphs: bool | None,
-        rounds: int,
-    ) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.evaluator = make_evaluator(base, prompts, max_new_tokens, stream, graphs, rounds)
-
-    def ar_tok_s(self) -> float:
-        return self.evaluator.ar_tok_s
-
-    def evaluate(self, config: EngineConfig) -> Any:
-        return self.evaluator.evaluate(config)

@@ -13,7 +13,10 @@ Every speedup is a median of per-round ratios over AR measured interleaved in on
 Stop at the round or time budget, or after a round that improves nothing. The time budget is a
 wall-clock deadline checked before every chunk of candidates (they share AR rounds): a chunk is
 started only if the time left covers the median chunk so far, so the last round is cut short
-cleanly (its finished candidates are still integrated) instead of overrunning.
+cleanly (its finished candidates are still integrated) instead of overrunning. A streaming
+executor (Ray's, ``tune/ray_executor.py``) hands trials to its workers one by one: there the
+budget is checked before every trial (against the median trial), and each result is written to
+memory as it arrives. The loop is the memory's one writer; workers only return results.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from specpilot.bench.protocol import Ratio
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
 from specpilot.tune.evaluate import TrialResult
-from specpilot.tune.executors import Executor
+from specpilot.tune.executors import Executor, StreamingExecutor
 from specpilot.tune.explorers import Proposal, Proposer, make_explorer
 from specpilot.tune.space import Direction, config_hash, describe
+from specpilot.tune.usage import Usage
 
 STATIC_GAP_ORDER = (
     "draft",
@@ -84,6 +88,8 @@ class TuneOutcome:
     rounds_run: int = 0
     unexplored: list[str] = field(default_factory=list)
     """Directions the budget ran out before (never measured), for the log and the report."""
+    usage: Usage = field(default_factory=lambda: Usage("local", "cpu"))
+    """Workers and the busy seconds summed over them (the executor's, ``tune/usage.py``)."""
 
 
 def rank_directions(directions: Sequence[Direction], gap_order: Sequence[str]) -> list[Direction]:
@@ -152,70 +158,94 @@ class TuneLoop:
     ) -> list[TrialResult]:
         """Evaluate configs not already finished in this run; record each as it comes back.
 
-        Configs are sent in chunks of the executor's width; before each chunk the budget is
-        checked (unless ``force``), so the result may be shorter than ``configs``."""
-        width = max(1, int(getattr(self.executor, "width", 1)))
-        todo = [c for c in configs if config_hash(c) not in self.done]
+        Configs are sent in chunks of the executor's width (or one by one to a streaming
+        executor); before each chunk (trial) the budget is checked (unless ``force``), so the
+        result may be shorter than ``configs``."""
+        todo = list(
+            {config_hash(c): c for c in configs if config_hash(c) not in self.done}.values()
+        )
         results: dict[str, TrialResult] = {}
-        for i in range(0, len(todo), width):
-            if not force and not self._time_left():
-                self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
-                break
-            t0 = time.perf_counter()
-            for r in self.executor.map(todo[i : i + width]):
-                results[config_hash(r.config)] = r
-            self.chunk_seconds.append(time.perf_counter() - t0)
+        if isinstance(self.executor, StreamingExecutor):
+            self._stream(self.executor, round_, explorer, todo, force, results)
+        else:
+            width = max(1, int(getattr(self.executor, "width", 1)))
+            for i in range(0, len(todo), width):
+                if not force and not self._time_left():
+                    self.log(
+                        f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run"
+                    )
+                    break
+                t0 = time.perf_counter()
+                for r in self.executor.map(todo[i : i + width]):
+                    results[config_hash(r.config)] = r
+                self.chunk_seconds.append(time.perf_counter() - t0)
         out = []
         for c in configs:
             h = config_hash(c)
             if h in results:
                 r = results[h]
-                self.store.add_trial(
-                    self.run_id,
-                    self.deployment,
-                    round_,
-                    explorer,
-                    h,
-                    _cfg(c),
-                    r.metrics(),
-                    r.forcing_ok,
-                    r.forcing,
-                    r.device_seconds,
-                    r.wall_seconds,
-                )
-                self.done[h] = self.store.trials(run=self.run_id)[-1]
+                if h not in self.done:  # a streamed result is recorded (and logged) on arrival
+                    self._record(round_, explorer, c, r)
+                    self._log_trial(explorer, c, r)
             elif h in self.done:
-                row = self.done[h]
-                r = TrialResult(
-                    config=c,
-                    tok_s=row.metrics["tok_s"],
-                    speedup=row.metrics["speedup"],
-                    tau=row.metrics["tau"],
-                    acceptance=row.metrics["acceptance"],
-                    forcing_ok=row.forcing_ok,
-                    forcing=row.forcing,
-                    device_seconds=0.0,
-                    wall_seconds=0.0,
-                    phase_seconds=row.metrics.get("phase_seconds", {}),
-                    error=row.metrics.get("error"),
-                    rounds=list(row.metrics.get("speedup_rounds", [])),
-                    bound=row.metrics.get("bound"),
-                    anomaly=row.metrics.get("anomaly"),
-                )
+                r = TrialResult.from_row(c, self.done[h])
+                self._log_trial(explorer, c, r)
             else:  # cut by the budget
                 break
-            if not r.forcing_ok:
-                verdict = f"REJECTED by token forcing {r.forcing}"
-            elif r.anomaly is not None:
-                verdict = f"ANOMALY: {r.anomaly}"
-            else:
-                verdict = "ok"
-            self.log(
-                f"  [{_clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
-                f"{r.spread_text()} AR, τ {r.tau:.2f}, {verdict}"
-            )
             out.append(r)
         return out
+
+    def _stream(
+        self,
+        executor: StreamingExecutor,
+        round_: int,
+        explorer: str,
+        todo: list[EngineConfig],
+        force: bool,
+        results: dict[str, TrialResult],
+    ) -> None:
+        """Hand ``todo`` to a streaming executor; each result is written to memory and logged
+        as it arrives (a worker pool lost mid-chunk then loses no finished trial)."""
+        by_hash = {config_hash(c): c for c in todo}
+
+        def arrived(r: TrialResult) -> None:
+            h = config_hash(r.config)
+            r.config = by_hash.get(h, r.config)
+            results[h] = r
+            self._record(round_, explorer, r.config, r)
+            self._log_trial(explorer, r.config, r)
+            if r.busy_seconds > 0:
+                self.chunk_seconds.append(r.busy_seconds)
+
+        got = executor.stream(todo, admit=None if force else self._time_left, on_result=arrived)
+        if len(got) < len(todo):
+            self.log(
+                f"  [{explorer}] time budget reached: {len(todo) - len(got)} candidates not run"
+            )
+
+    def _record(self, round_: int, explorer: str, c: EngineConfig, r: TrialResult) -> None:
+        h = config_hash(c)
+        self.store.add_trial(
+            self.run_id,
+            self.deployment,
+            round_,
+            explorer,
+            h,
+            _cfg(c),
+            r.metrics(),
+            r.forcing_ok,
+            r.forcing,
+            r.device_seconds,
+            r.wall_seconds,
+        )
+        self.done[h] = self.store.trials(run=self.run_id)[-1]
+
+    def _log_trial(self, explorer: str, c: EngineConfig, r: TrialResult) -> None:
+        where = f" (on {r.worker})" if r.worker != "local" else ""
+        self.log(
+            f"  [{_clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
+            f"{r.spread_text()} AR, τ {r.tau:.2f}, {r.verdict()}{where}"
+        )
 
     # --------------------------------------------------------------------- loop
     def run(self) -> TuneOutcome:
@@ -339,7 +369,13 @@ class TuneLoop:
         self.store.finish_run(self.run_id)
         outcome.wall_seconds = self.elapsed()
         outcome.device_seconds = sum(t.result.device_seconds for t in outcome.trials)
+        outcome.usage = getattr(self.executor, "usage", None) or self._usage_of(outcome)
         return outcome
+
+    def _usage_of(self, outcome: TuneOutcome) -> Usage:
+        """The usage of an executor that keeps none: one worker, the trials' own seconds."""
+        device = "cuda" if self.base.deployment.device.startswith("cuda") else "cpu"
+        return Usage.of_results("local", device, [t.result for t in outcome.trials])
 
     def _confirm(self, round_: int, outcome: TuneOutcome, cand: TrialResult) -> TrialResult | None:
         """A winner measured head to head with the best: both in one chunk (the same AR rounds,

@@ -75,7 +75,6 @@ def verdict_lines(outcome: TuneOutcome) -> list[str]:
 def write_report(
     outcome: TuneOutcome,
     label: str,
-    device: str,
     out_dir: Path,
     tuned_path: Path,
     notes: Sequence[str] = (),
@@ -85,11 +84,11 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     charts = _charts(outcome, out_dir)
     stock, best = outcome.stock, outcome.best
-    rejected = [t for t in outcome.trials if not t.result.forcing_ok]
+    failed = [t for t in outcome.trials if t.result.error is not None]
+    rejected = [t for t in outcome.trials if not t.result.forcing_ok and t.result.error is None]
     anomalies = [t for t in outcome.trials if t.result.anomaly]
-    be = break_even_tokens(outcome.wall_seconds, stock.tok_s, best.tok_s)
-    unit = "GPU-seconds" if device == "cuda" else "CPU wall-seconds (no GPU used)"
-    price = outcome.device_seconds if device == "cuda" else outcome.wall_seconds
+    usage = outcome.usage
+    be = break_even_tokens(usage.busy_seconds, stock.tok_s, best.tok_s)
     lines = [
         f"# SpecPilot tune report — {label}",
         "",
@@ -109,10 +108,13 @@ def write_report(
         "whose speedup the cost model cannot explain (an anomaly), is never integrated.",
         "",
         "## Price of the search",
-        f"- {price:.1f} {unit}; {outcome.wall_seconds:.1f} s wall time; {measured_text(outcome)} "
-        f"in {outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing; "
-        f"{len(anomalies)} anomalies.",
-        "- Break-even: "
+        f"- {usage.busy_seconds:.1f} {usage.unit} summed over {len(usage.workers)} worker(s); "
+        f"{outcome.wall_seconds:.1f} s wall time; {measured_text(outcome)} in "
+        f"{outcome.rounds_run} round(s); {len(rejected)} rejected by token forcing; "
+        f"{len(failed)} failed (not run to the end); {len(anomalies)} anomalies.",
+        f"- Workers: {usage.summary(outcome.wall_seconds)}.",
+        *[f"  - {line}" for line in usage.per_worker()],
+        "- Break-even (against the device-seconds): "
         + (
             f"{be:,.0f} generated tokens until the search has paid for itself."
             if be
@@ -132,12 +134,14 @@ def write_report(
     lines += [
         "",
         "## Trials",
-        "| round | explorer | config | tok/s | speedup | bound | τ | forcing |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+        "| round | explorer | config | worker | tok/s | speedup | bound | τ | forcing |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for t in outcome.trials:
         r = t.result
-        if not r.forcing_ok:
+        if r.error is not None:
+            verdict = f"**FAILED** {r.error}"
+        elif not r.forcing_ok:
             verdict = f"**REJECTED** {r.forcing.get('first_mismatch', r.forcing)}"
         elif r.anomaly:
             verdict = f"pass; **ANOMALY** {r.anomaly}"
@@ -145,7 +149,7 @@ def write_report(
             verdict = "pass"
         bound = f"{r.bound:.2f}×" if r.bound is not None else "—"
         lines.append(
-            f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.tok_s:.1f} | {r.spread_text()} | {bound} | {r.tau:.2f} | {verdict} |"
+            f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.worker} | {r.tok_s:.1f} | {r.spread_text()} | {bound} | {r.tau:.2f} | {verdict} |"
         )
     lines += ["", *[f"![{name}]({name})" for name in charts]]
     path = out_dir / "report.md"
