@@ -39,4 +39,12 @@ if [ "$part" = dflash ]; then
     TAIL=20 step "bench_dflash_$set" 200 $SP bench --target smollm2-135m --device cuda --dtype bf16 --drafter dflash --draft-model "$D" --prompts $set --limit 8 --max-new-tokens 256 --rounds 3 --out "$out/bench_dflash_$set.jsonl"
   done
 fi
+if [ "$part" = kernels ]; then  # issue 15: W12 v3, the fused tree accept, L2 prefetch
+  K=/tmp/k; mkdir -p $K
+  TAIL=4 step pytest_k 90 python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py tests/test_w12.py -k cuda
+  TAIL=40 step w12v3 ${W12_LIMIT:-170} python3 bench/w12_v3_gpu.py --out $K/w12v3 --budget-s ${W12_BUDGET:-75}
+  TAIL=30 step tree_accept ${TREE_LIMIT:-150} python3 bench/tree_accept_gpu.py --out $K/tree_accept --rounds 8 --e2e-rounds 3 --nodes 32,48
+  TAIL=30 step l2 ${L2_LIMIT:-120} python3 bench/l2_prefetch_gpu.py --out $K/l2 --contexts 512 --budget-s ${L2_BUDGET:-95}
+  tar czf "$out/kernels.tgz" -C $K . 2>/dev/null
+fi
 echo "== done $(date +%T)"
