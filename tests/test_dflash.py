@@ -396,3 +396,30 @@ def test_tuner_searches_the_block_length(tmp_path: Path) -> None:
     (knob,) = dirs["draft-length"].params
     assert (knob.low, knob.high, knob.default) == (1, 7, 7)
     assert "mechanism:tree-verify" in dirs
+
+
+def test_the_shipped_drafter_is_found_and_searched(tmp_path: Path) -> None:
+    """SmolLM2's shipped DFlash drafter: found by target name (and by kind), a tune direction of
+    its n-gram deployment (and of no other target's), giving a config the commands can build."""
+    import dataclasses
+
+    from specpilot.drafters.shipped import shipped_drafter
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.loading.dflash import block_size_of
+    from specpilot.tune.space import directions_for
+
+    path = shipped_drafter("smollm2-135m")
+    assert path is not None and (path / "config.json").is_file()
+    assert shipped_drafter("smollm2-135m", "eagle3") is None and shipped_drafter("other") is None
+    base = EngineConfig(DeploymentSpec(target="smollm2-135m"), k=8)
+    dirs = {d.name: d for d in directions_for(base, "cpu", "llama", 30)}
+    learned = dirs["learned-drafter"]
+    (knob,) = learned.params
+    assert knob.high == block_size_of(path) - 1
+    cfg = learned.derive(base, {"k": 4})
+    assert (cfg.deployment.drafter, cfg.deployment.draft_model, cfg.k) == ("dflash", str(path), 4)
+    assert not cfg.drafter_knobs
+    other = dataclasses.replace(base, deployment=DeploymentSpec(target="elsewhere"))
+    assert "learned-drafter" not in {d.name for d in directions_for(other, "cpu", "llama", 30)}
+    # a deployment already on a draft model (or the learned one) gets no second switch
+    assert "learned-drafter" not in {d.name for d in directions_for(cfg, "cpu", "llama", 30)}

@@ -75,6 +75,23 @@ def test_readme_generate_command(capsys):
     assert "token forcing PASS" in out and "speedup" in out and "identical to AR" in out
 
 
+def test_the_shipped_drafter_is_lossless_and_learned(smollm2):
+    """``--drafter dflash`` without ``--draft-model`` takes the shipped SmolLM2 drafter; fp32
+    output equals AR, and it is a trained drafter (τ well above a random one's 1.0)."""
+    from specpilot.runtime import build_drafter
+
+    drafter = build_drafter("dflash", smollm2, 4)
+    assert drafter is not None and drafter.name == "dflash"
+    tok = smollm2.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in PROMPTS]
+    want = [r.tokens for r in generate(Engine(smollm2.model), prompts, 48)]
+    res = generate(Engine(smollm2.model, drafter), prompts, 48)
+    assert [r.tokens for r in res] == want
+    accepted = sum(sum(r.stats.accepted) for r in res)
+    cycles = sum(r.stats.cycles for r in res)
+    assert (accepted + cycles) / cycles > 1.3  # τ, bonus included
+
+
 def test_cached_gguf_tokenizer_equals_fresh_conversion(tmp_path: Path, monkeypatch):
     from specpilot.loading import load_tokenizer, resolve_model
 

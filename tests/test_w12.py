@@ -308,7 +308,7 @@ def test_registered() -> None:
     assert mech.plug_point == "linear_weights"
     assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "single", "llama")
-    assert mech.resolve_knobs({}) == {"layers": "all", "max_m": 64, "decoder": "prmt"}
+    assert mech.resolve_knobs({}) == {"layers": "all", "max_m": 1, "decoder": "prmt"}
 
 
 # ---------------------------------------------------------------- groups run in the subprocess

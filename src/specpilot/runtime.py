@@ -188,6 +188,11 @@ def build_drafter(
     knobs = dict(knobs or {})
     vocab = target.model.cfg.vocab_size
     if name in CHECKPOINT_DRAFTERS:
+        if draft_path is None:  # the drafter that ships for this target, if one does
+            from specpilot.drafters.shipped import shipped_drafter
+
+            found = shipped_drafter(target.spec, name)
+            draft_path = None if found is None else str(found)
         if draft_path is None:
             raise SpecPilotError(
                 f"The {name} drafter needs --draft-model DIR, a {name} checkpoint directory "

@@ -11,9 +11,9 @@ Two kernels read the W12 v3 layout (``mechanisms/w12_format.py``):
 ``CHOSEN`` maps the largest M of a bucket to its kernel and tiling, plus the fraction of the
 measured copy bandwidth that choice reached on the H200 (``roofline_frac``: the cost model's
 ``kernel efficiency`` for W12, ``costmodel/weight_format.py``). ``bench/w12_v3_gpu.py`` prints a
-replacement for this table from its measurements; the values below are the configs expected to
-be best from local sm_90 compiles (instructions per weight, no shared-memory round trip in the
-K loop), *not yet measured* (``roofline_frac=None``).
+replacement for this table from its measurements; the values below are its proposal from the H200
+on 2026-12-01 (docs/BENCHMARKS.md, "W12 v3"; the fraction is of the copy bandwidth that script
+measures, so above 1 at M = 1); M above 16 is not measured (``roofline_frac=None``).
 """
 
 from __future__ import annotations
@@ -50,9 +50,42 @@ class KernelChoice:
 
 
 CHOSEN: tuple[tuple[int, KernelChoice], ...] = (
-    (1, KernelChoice("gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4))),
-    (2, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3))),
-    (16, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3))),
+    (
+        1,
+        KernelChoice(
+            "gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4), roofline_frac=1.085
+        ),
+    ),
+    (
+        2,
+        KernelChoice(
+            "gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4), roofline_frac=0.810
+        ),
+    ),
+    (
+        4,
+        KernelChoice(
+            "dot",
+            dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
+            roofline_frac=0.593,
+        ),
+    ),
+    (
+        8,
+        KernelChoice(
+            "dot",
+            dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
+            roofline_frac=0.591,
+        ),
+    ),
+    (
+        16,
+        KernelChoice(
+            "dot",
+            dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
+            roofline_frac=0.567,
+        ),
+    ),
     (64, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3))),
 )
 """(largest M of the bucket, choice), ascending; M above the last bucket uses the last."""

@@ -55,7 +55,10 @@ LAYER_SETS = {
     "all": ("w_qkv", "w_o", "w_gate_up", "w_down"),
     "mlp": ("w_gate_up", "w_down"),
     "attn": ("w_qkv", "w_o"),
+    "gate_up_qkv": ("w_qkv", "w_gate_up"),
 }
+"""``gate_up_qkv``: the two matrices where W12 v3 beat bf16 at M = 1 on the H200 (1.13x, 1.05x;
+``o`` 0.98x, ``down`` 0.95x; docs/BENCHMARKS.md, W12 v3)."""
 
 
 class W12Linear:
@@ -142,14 +145,15 @@ MECHANISM = Mechanism(
             "layers",
             "all",
             choices=tuple(LAYER_SETS),
-            doc="which decoder matrices read W12: all, the MLP (gate_up, down) or attention (qkv, o)",
+            doc="which decoder matrices read W12: all, the MLP (gate_up, down), attention (qkv, o) or gate_up + qkv",
         ),
         Knob(
             "max_m",
-            64,
+            1,
             low=1,
             high=64,
-            doc="rows per call up to which the W12 kernel runs; more rows (prefill) use F.linear",
+            doc="rows per call up to which the W12 kernel runs; more rows (verify, prefill) use "
+            "F.linear (default 1: on the H200 W12 v3 wins only at M = 1, 1.05x over the layer)",
         ),
         Knob(
             "decoder",

@@ -55,6 +55,16 @@ def _with_early_exit(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     )
 
 
+def _with_learned(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+    """Switch to the learned drafter that ships for the target (``drafters/shipped.py``)."""
+    from specpilot.drafters.shipped import SHIPPED, shipped_drafter
+
+    kind = SHIPPED[base.deployment.target][0]
+    path = shipped_drafter(base.deployment.target, kind)
+    dep = dataclasses.replace(base.deployment, drafter=kind, draft_model=str(path))
+    return dataclasses.replace(base, deployment=dep, k=int(p["k"]), drafter_knobs={})
+
+
 def _with_segment(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
     seg = int(p["segment_tokens"])
     return dataclasses.replace(base, segment_tokens=None if seg == DEFAULT_SEGMENT_TOKENS else seg)
@@ -168,6 +178,16 @@ def directions_for(
                 _with_early_exit,
             )
         )
+    if early:
+        from specpilot.drafters.shipped import shipped_kind
+
+        kind = shipped_kind(dep.target)
+        if kind is not None:  # the learned drafter that ships for this target
+            out.append(
+                Direction(
+                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
+                )
+            )
     if dep.drafter in GATED_DRAFTERS and not simulated:
         g = base.gate_settings()
         out.append(
