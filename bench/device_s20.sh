@@ -47,4 +47,9 @@ if [ "$part" = kernels ]; then  # issue 15: W12 v3, the fused tree accept, L2 pr
   TAIL=30 step l2 ${L2_LIMIT:-120} python3 bench/l2_prefetch_gpu.py --out $K/l2 --contexts 512 --budget-s ${L2_BUDGET:-95}
   tar czf "$out/kernels.tgz" -C $K . 2>/dev/null
 fi
+if [ "$part" = tune_tree ]; then  # issue 15: tune under an EAGLE-like simulated profile on the 8B shape
+  DIR=/tmp/llama3-8b-peaked
+  [ -d "$DIR" ] || TAIL=2 step hfdir 120 python3 bench/make_hf_dir.py --shape llama3-8b --tokenizer .carry/smollm2-tok --out "$DIR" --peaked
+  TAIL=40 step tune_tree ${TUNE_LIMIT:-380} $SP tune --target $DIR --device cuda --dtype bf16 --drafter block --simulate-acceptance ${PROFILE:-rates=0.8,block=8,sibling=0.5} --prompts copy-heavy --limit 2 --max-new-tokens 128 --trials ${TRIALS:-2} --budget ${BUDGET:-270} --compare-limit 1 --rank-gaps static --out "$out/tune_tree" --memory "$out/mem.sqlite"
+fi
 echo "== done $(date +%T)"
