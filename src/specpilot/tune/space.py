@@ -165,6 +165,16 @@ def directions_for(
             )
         )
     early = dep.drafter == "ngram" and dep.draft_model is None and not simulated
+    if early:  # before the early-exit draft model: the learned drafter drafts better
+        from specpilot.drafters.shipped import shipped_kind
+
+        kind = shipped_kind(dep.target)
+        if kind is not None:  # the learned drafter that ships for this target
+            out.append(
+                Direction(
+                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
+                )
+            )
     if early and num_layers and num_layers >= 2:
         layers = early_exit_layers(num_layers)
         out.append(
@@ -178,16 +188,6 @@ def directions_for(
                 _with_early_exit,
             )
         )
-    if early:
-        from specpilot.drafters.shipped import shipped_kind
-
-        kind = shipped_kind(dep.target)
-        if kind is not None:  # the learned drafter that ships for this target
-            out.append(
-                Direction(
-                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
-                )
-            )
     if dep.drafter in GATED_DRAFTERS and not simulated:
         g = base.gate_settings()
         out.append(
