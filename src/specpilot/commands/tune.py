@@ -366,7 +366,7 @@ def profiled_gap_order(
     from specpilot.costmodel.hardware import measure_ceilings
     from specpilot.costmodel.profile_run import profile_engines
     from specpilot.engine.build import build_engine
-    from specpilot.tune.loop import STATIC_GAP_ORDER
+    from specpilot.tune.space import STATIC_GAP_ORDER
 
     build = build_engine(base, target=evaluator.stock)
     ceilings = measure_ceilings(evaluator.device, evaluator.dtype)

@@ -55,8 +55,9 @@ class StreamingExecutor(Executor, Protocol):
         admit: Callable[[], bool] | None = None,
         on_result: Callable[[TrialResult], None] | None = None,
     ) -> list[TrialResult]:
-        """Results of the configs that ran, in the order given. A config is started only while
-        ``admit()`` says so (once it says no, no later one starts); ``on_result`` is told of each
+        """Results of the configs that ran, in the order given. ``admit()`` is asked once before
+        each config first starts, in the order given (a re-run after a worker's death is not
+        asked again); once it says no, no later one starts. ``on_result`` is told of each
         result as it comes back."""
         ...
 

@@ -15,90 +15,43 @@ wall-clock deadline checked before every chunk of candidates (they share AR roun
 started only if the time left covers the median chunk so far, so the last round is cut short
 cleanly (its finished candidates are still integrated) instead of overrunning. A streaming
 executor (Ray's, ``tune/ray_executor.py``) hands trials to its workers one by one: there the
-budget is checked before every trial (against the median trial), and each result is written to
-memory as it arrives. The loop is the memory's one writer; workers only return results.
+budget is checked before every trial (against the median trial), each result is written to
+memory as it arrives, and a round's candidates of all its directions go to the workers as one
+queue (``tune/dispatch.py``); the round's decisions wait for all of them, so the search is the
+same as one direction after another. Without a warm start the stock trial joins round 1's queue
+(round 1 proposes around the stock config, known before it is measured). The loop is the
+memory's one writer; workers only return results.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from specpilot.bench.protocol import Ratio
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
+from specpilot.tune.confirm import head_to_head
+from specpilot.tune.dispatch import Batch, stream_batches
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.executors import Executor, StreamingExecutor
 from specpilot.tune.explorers import Proposal, Proposer, make_explorer
-from specpilot.tune.space import Direction, config_hash, describe
+from specpilot.tune.outcome import Trial, TuneOutcome, TuneSettings
+from specpilot.tune.space import (
+    STATIC_GAP_ORDER,
+    Direction,
+    config_hash,
+    describe,
+    rank_directions,
+    with_deployment,
+)
 from specpilot.tune.usage import Usage
 
-STATIC_GAP_ORDER = (
-    "draft",
-    "verify",
-    "lm_head",
-    "mlp",
-    "attn_proj",
-    "attn_kv",
-    "overhead",
-    "accept_commit",
-)
-"""Component order used when no measured profile ranks the gaps."""
+Measured = Iterable[tuple[Direction, list[Proposal], list[TrialResult]]]
+"""A round's directions, each with its proposals and their results (shorter if cut)."""
 
-
-@dataclass(frozen=True, slots=True)
-class TuneSettings:
-    rounds: int = 3
-    """Most search rounds after round 0."""
-    trials_per_direction: int = 3
-    directions_per_round: int = 3
-    budget_seconds: float = 1800.0
-    min_gain: float = 0.02
-    """A winner must beat the best by more than both spreads and by this fraction of it."""
-    seed: int = 0
-    explorer: str = "auto"
-    """Knob proposer: ``tpe`` (Optuna), ``local`` (local search, no dependency), ``auto``."""
-    patience: int = 1
-    """Rounds a direction may go without a winner (since the last improvement) before it counts
-    as exhausted; the loop stops when every direction is exhausted."""
-
-
-@dataclass(slots=True)
-class Trial:
-    round: int
-    explorer: str
-    result: TrialResult
-    reused_from: str | None = None
-    elapsed: float = 0.0
-    """Seconds since the loop started when this trial finished (0 for one reused on resume)."""
-
-
-@dataclass(slots=True)
-class TuneOutcome:
-    stock: TrialResult
-    best: TrialResult
-    ar_tok_s: float
-    trials: list[Trial] = field(default_factory=list)
-    reused: list[str] = field(default_factory=list)
-    wall_seconds: float = 0.0
-    device_seconds: float = 0.0
-    rounds_run: int = 0
-    unexplored: list[str] = field(default_factory=list)
-    """Directions the budget ran out before (never measured), for the log and the report."""
-    usage: Usage = field(default_factory=lambda: Usage("local", "cpu"))
-    """Workers and the busy seconds summed over them (the executor's, ``tune/usage.py``)."""
-
-
-def rank_directions(directions: Sequence[Direction], gap_order: Sequence[str]) -> list[Direction]:
-    """Directions sorted by the rank of the best-ranked component they attack."""
-    rank = {c: i for i, c in enumerate(gap_order)}
-    return sorted(
-        directions,
-        key=lambda d: min((rank.get(c, len(rank)) for c in d.attacks), default=len(rank)),
-    )
+__all__ = ["STATIC_GAP_ORDER", "Trial", "TuneLoop", "TuneOutcome", "TuneSettings"]
 
 
 class TuneLoop:
@@ -116,6 +69,8 @@ class TuneLoop:
         log: Callable[[str], None] = print,
     ) -> None:
         self.base, self.executor, self.store, self.fp = base, executor, store, fingerprint
+        self.pool = executor if isinstance(executor, StreamingExecutor) else None
+        """The executor, if it streams results to a pool's idle workers (one queue a round)."""
         self.settings, self.log = settings, log
         self.directions = rank_directions(directions, gap_order)
         self.by_name = {d.name: d for d in self.directions}
@@ -126,6 +81,8 @@ class TuneLoop:
         self.chunk_seconds: list[float] = []
         """Seconds of every ``executor.map`` call so far (a chunk shares its AR rounds, so it
         costs about the sum of its trials); the next one starts only if a typical one fits."""
+        self.finished: dict[str, float] = {}
+        """Loop seconds at which each streamed trial came back, by config hash."""
         self.quarantined: set[str] = set()
         self.deployment = store.add_deployment(fingerprint, label)
         previous = store.latest_run(self.deployment) if resume else None
@@ -161,24 +118,32 @@ class TuneLoop:
         Configs are sent in chunks of the executor's width (or one by one to a streaming
         executor); before each chunk (trial) the budget is checked (unless ``force``), so the
         result may be shorter than ``configs``."""
+        if self.pool is not None:
+            return self._stream([Batch(round_, explorer, list(configs), force)])[0]
         todo = list(
             {config_hash(c): c for c in configs if config_hash(c) not in self.done}.values()
         )
         results: dict[str, TrialResult] = {}
-        if isinstance(self.executor, StreamingExecutor):
-            self._stream(self.executor, round_, explorer, todo, force, results)
-        else:
-            width = max(1, int(getattr(self.executor, "width", 1)))
-            for i in range(0, len(todo), width):
-                if not force and not self._time_left():
-                    self.log(
-                        f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run"
-                    )
-                    break
-                t0 = time.perf_counter()
-                for r in self.executor.map(todo[i : i + width]):
-                    results[config_hash(r.config)] = r
-                self.chunk_seconds.append(time.perf_counter() - t0)
+        width = max(1, int(getattr(self.executor, "width", 1)))
+        for i in range(0, len(todo), width):
+            if not force and not self._time_left():
+                self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
+                break
+            t0 = time.perf_counter()
+            for r in self.executor.map(todo[i : i + width]):
+                results[config_hash(r.config)] = r
+            self.chunk_seconds.append(time.perf_counter() - t0)
+        return self._collect(round_, explorer, configs, results)
+
+    def _collect(
+        self,
+        round_: int,
+        explorer: str,
+        configs: Sequence[EngineConfig],
+        results: dict[str, TrialResult],
+    ) -> list[TrialResult]:
+        """The results of ``configs`` in order (read from memory if finished earlier), up to the
+        first one the budget cut; each new one is recorded and logged unless it was on arrival."""
         out = []
         for c in configs:
             h = config_hash(c)
@@ -195,33 +160,71 @@ class TuneLoop:
             out.append(r)
         return out
 
-    def _stream(
-        self,
-        executor: StreamingExecutor,
-        round_: int,
-        explorer: str,
-        todo: list[EngineConfig],
-        force: bool,
-        results: dict[str, TrialResult],
-    ) -> None:
-        """Hand ``todo`` to a streaming executor; each result is written to memory and logged
-        as it arrives (a worker pool lost mid-chunk then loses no finished trial)."""
-        by_hash = {config_hash(c): c for c in todo}
+    def _stream(self, batches: list[Batch]) -> list[list[TrialResult]]:
+        """Run the batches on the pool as one queue (``tune/dispatch.py``); each result is
+        written to memory and logged as it arrives (a pool lost mid-round loses no finished
+        trial). Per batch, its results as ``_evaluate`` gives them."""
+        assert self.pool is not None
 
-        def arrived(r: TrialResult) -> None:
-            h = config_hash(r.config)
-            r.config = by_hash.get(h, r.config)
-            results[h] = r
-            self._record(round_, explorer, r.config, r)
-            self._log_trial(explorer, r.config, r)
+        def arrived(b: Batch, r: TrialResult) -> None:
+            self._record(b.round, b.explorer, r.config, r)
+            self._log_trial(b.explorer, r.config, r)
+            self.finished[config_hash(r.config)] = self.elapsed()
             if r.busy_seconds > 0:
                 self.chunk_seconds.append(r.busy_seconds)
 
-        got = executor.stream(todo, admit=None if force else self._time_left, on_result=arrived)
-        if len(got) < len(todo):
-            self.log(
-                f"  [{explorer}] time budget reached: {len(todo) - len(got)} candidates not run"
-            )
+        stream_batches(self.pool, batches, self.done, self._time_left, arrived)
+        for b in batches:
+            if b.not_run:
+                self.log(f"  [{b.explorer}] time budget reached: {b.not_run} candidates not run")
+        return [self._collect(b.round, b.explorer, b.configs, b.ran) for b in batches]
+
+    def _pool_round(
+        self, round_: int, picked: list[Direction], best: EngineConfig, stock: bool = False
+    ) -> tuple[Measured, TrialResult | None]:
+        """Every picked direction's proposals around ``best`` and their results, all in one
+        queue on the pool (led by the stock engine if ``stock``; then its result too)."""
+        n = self.settings.trials_per_direction
+        plans = [(d, self.explorers[d.name].propose(best, n)) for d in picked]
+        batches = [Batch(round_, d.name, [p.config for p in props]) for d, props in plans]
+        lead = [Batch(0, "stock", [self.base], force=True)] if stock else []
+        got = self._stream(lead + batches)
+        out = [(d, props, res) for (d, props), res in zip(plans, got[len(lead) :], strict=True)]
+        return out, got[0][0] if stock else None
+
+    def _one_by_one(self, round_: int, picked: list[Direction], best: EngineConfig) -> Measured:
+        """Locally: one direction after another, the budget checked before each proposes."""
+        for d in picked:
+            if not self._time_left():
+                return
+            props = self.explorers[d.name].propose(best, self.settings.trials_per_direction)
+            yield d, props, self._evaluate(round_, d.name, [p.config for p in props])
+
+    def _pick(self, round_: int, best: str) -> list[Direction]:
+        n = self.settings.directions_per_round
+        picked = [d for d in self.directions if d.name not in self.quarantined][:n]
+        self.log(
+            f"[{_clock(self.elapsed())}] round {round_}: directions "
+            f"{', '.join(d.name for d in picked)} (best so far {best})"
+        )
+        return picked
+
+    def _warm_start(self) -> list[tuple[str, EngineConfig]]:
+        """Validated configs of the most similar deployments, moved onto this one, by label."""
+        out = []
+        for label, _sim, row in self.store.similar_validated(self.fp):
+            try:
+                out.append(
+                    (label, with_deployment(EngineConfig.from_dict(row["config"]), self.base))
+                )
+            except Exception:
+                continue
+        return out
+
+    def _trial(self, round_: int, explorer: str, r: TrialResult, **kw: Any) -> Trial:
+        """A trial for the outcome, stamped when it came back (streamed) or now."""
+        at = self.finished.get(config_hash(r.config), self.elapsed())
+        return Trial(round_, explorer, r, elapsed=at, **kw)
 
     def _record(self, round_: int, explorer: str, c: EngineConfig, r: TrialResult) -> None:
         h = config_hash(c)
@@ -252,50 +255,52 @@ class TuneLoop:
         self.t0 = time.perf_counter()
         s = self.settings
         self.log(f"round 0: stock engine ({describe(self.base)}) and warm start")
-        stock = self._evaluate(0, "stock", [self.base], force=True)[0]
+        warm = self._warm_start()
+        ahead: tuple[list[Direction], Measured] | None = None
+        if self.pool is not None and not warm and s.rounds >= 1 and self._time_left():
+            # Round 1 proposes around the stock config, known before it is measured, and only
+            # its decisions need the stock result: the stock trial leads round 1's queue.
+            picked = self._pick(1, "the stock engine, measured in this round")
+            first_round, first = self._pool_round(1, picked, self.base, stock=True)
+            assert first is not None
+            stock, ahead = first, (picked, first_round)
+        else:
+            stock = self._evaluate(0, "stock", [self.base], force=True)[0]
         outcome = TuneOutcome(stock=stock, best=stock, ar_tok_s=self.executor.ar_tok_s)
-        outcome.trials.append(Trial(0, "stock", stock, elapsed=self.elapsed()))
-        for label, _sim, row in self.store.similar_validated(self.fp):
-            try:
-                cfg = _with_deployment(EngineConfig.from_dict(row["config"]), self.base)
-            except Exception:
-                continue
+        outcome.trials.append(self._trial(0, "stock", stock))
+        for label, cfg in warm:
             got = self._evaluate(0, "memory", [cfg])
             if not got:
                 break
             r = got[0]
-            outcome.trials.append(Trial(0, "memory", r, reused_from=label, elapsed=self.elapsed()))
+            outcome.trials.append(self._trial(0, "memory", r, reused_from=label))
             outcome.reused.append(f"{label}: {describe(cfg)} → {r.spread_text()} here")
             if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                 confirmed = self._confirm(0, outcome, r)
                 if confirmed is not None:
                     outcome.best = confirmed
 
-        stale: dict[
-            str, int
-        ] = {}  # rounds without a winner per direction since the last improvement
+        stale: dict[str, int] = {}  # rounds without a winner per direction since the last gain
         for round_ in range(1, s.rounds + 1):
-            if not self._time_left():
+            measured: Measured
+            if ahead is not None and round_ == 1:
+                picked, measured = ahead
+            elif not self._time_left():
                 self.log(f"[{_clock(self.elapsed())}] time budget spent")
                 break
+            else:
+                picked = self._pick(round_, f"{outcome.best.speedup:.2f}x")
+                if self.pool is None:
+                    measured = self._one_by_one(round_, picked, outcome.best.config)
+                else:
+                    measured = self._pool_round(round_, picked, outcome.best.config)[0]
             outcome.rounds_run = round_
-            picked = [d for d in self.directions if d.name not in self.quarantined][
-                : s.directions_per_round
-            ]
-            self.log(
-                f"[{_clock(self.elapsed())}] round {round_}: directions "
-                f"{', '.join(d.name for d in picked)} (best so far {outcome.best.speedup:.2f}x)"
-            )
             winners: list[tuple[Proposal, TrialResult]] = []
-            for d in picked:
-                if not self._time_left():
-                    break
+            for d, proposals, results in measured:  # the round's decisions, direction by direction
                 ex = self.explorers[d.name]
-                proposals = ex.propose(outcome.best.config, s.trials_per_direction)
-                results = self._evaluate(round_, d.name, [p.config for p in proposals])
                 for p, r in zip(proposals, results, strict=False):  # shorter if cut by the budget
                     ex.tell(p.trial_number, r.speedup if r.eligible else 0.0)
-                    outcome.trials.append(Trial(round_, d.name, r, elapsed=self.elapsed()))
+                    outcome.trials.append(self._trial(round_, d.name, r))
                     if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                         winners.append((p, r))
                 if d.name.startswith("mechanism:") and any(not r.forcing_ok for r in results):
@@ -340,7 +345,7 @@ class TuneLoop:
                 for p, _ in by_direction.values():
                     stacked = self.by_name[p.explorer].derive(stacked, p.params)
                 for r in self._evaluate(round_, "integrate", [stacked]):
-                    outcome.trials.append(Trial(round_, "integrate", r, elapsed=self.elapsed()))
+                    outcome.trials.append(self._trial(round_, "integrate", r))
                     if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
             confirmed = self._confirm(round_, outcome, new_best)
@@ -360,8 +365,8 @@ class TuneLoop:
                 stock.speedup,
                 self.done[config_hash(stock.config)].id,
             )
-        measured = {t.explorer for t in outcome.trials}
-        outcome.unexplored = [d.name for d in self.directions if d.name not in measured]
+        seen = {t.explorer for t in outcome.trials}
+        outcome.unexplored = [d.name for d in self.directions if d.name not in seen]
         if outcome.unexplored:
             self.log(
                 f"not measured (the time budget ran out first): {', '.join(outcome.unexplored)}"
@@ -378,30 +383,18 @@ class TuneLoop:
         return Usage.of_results("local", device, [t.result for t in outcome.trials])
 
     def _confirm(self, round_: int, outcome: TuneOutcome, cand: TrialResult) -> TrialResult | None:
-        """A winner measured head to head with the best: both in one chunk (the same AR rounds,
-        interleaved), the candidate's per-round ratio over the best must lie above 1 by more
-        than the noise (and ``min_gain``). Ratios over AR measured at different times can
-        differ by a few percent without either engine changing; this rules that out. Returns
-        the candidate as measured here, or None. (Executors that do not share rounds across a
-        chunk, e.g. Ray's actors, keep the interval rule alone.)"""
+        """A winner confirmed head to head with the best (``tune/confirm.py``): the candidate as
+        measured there, or None. (Executors that do not share rounds across a chunk, e.g. Ray's
+        actors, keep the interval rule alone.)"""
         if not getattr(self.executor, "shares_rounds", False):
             return cand
         if not self._time_left():
             self.log(f"  [confirm] no time left to confirm {describe(cand.config)}: not taken")
             return None
-        best = outcome.best
-        t0 = time.perf_counter()
-        got = self.executor.map([best.config, cand.config])
+        best, t0 = outcome.best, time.perf_counter()
+        b, c, pair, ok = head_to_head(self.executor, best, cand, self.settings.min_gain)
         self.chunk_seconds.append(time.perf_counter() - t0)
-        b, c = got[0], got[1]
-        for r in (b, c):
-            outcome.trials.append(Trial(round_, "confirm", r, elapsed=self.elapsed()))
-        pair = Ratio([x / y for x, y in zip(c.rounds, b.rounds, strict=True) if y > 0])
-        ok = (
-            b.eligible
-            and c.eligible
-            and pair.beats(Ratio([1.0] * len(pair.values)), self.settings.min_gain)
-        )
+        outcome.trials += [Trial(round_, "confirm", r, elapsed=self.elapsed()) for r in (b, c)]
         self.log(
             f"  [{_clock(self.elapsed())}] [confirm] {describe(cand.config)} over the best "
             f"{describe(best.config)}, head to head: {pair.text()} → "
@@ -417,19 +410,6 @@ def _cfg(c: EngineConfig) -> dict[str, Any]:
     import json
 
     return dict(json.loads(c.to_json()))
-
-
-def _with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
-    """A config validated elsewhere, moved onto this deployment (knobs and mechanisms kept; an
-    early-exit draft model, which needs no separate model, is kept too)."""
-    import dataclasses
-
-    dep = base.deployment
-    if cfg.deployment.drafter == "draft-model" and "exit_layers" in cfg.drafter_knobs:
-        dep = dataclasses.replace(dep, drafter="draft-model", draft_model=None)
-    elif cfg.deployment.drafter != dep.drafter:
-        raise ValueError("the remembered config uses another drafter")
-    return dataclasses.replace(cfg, deployment=dep)
 
 
 def _clock(seconds: float) -> str:

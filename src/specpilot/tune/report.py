@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.tune.evaluate import TrialResult
-from specpilot.tune.loop import TuneOutcome
+from specpilot.tune.outcome import TuneOutcome
 from specpilot.tune.space import config_hash, describe
 
 

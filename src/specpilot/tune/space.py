@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,3 +234,36 @@ def describe(cfg: EngineConfig) -> str:
         for n, v in sorted(cfg.mechanisms.items())
     ]
     return " ".join(parts)
+
+
+def with_deployment(cfg: EngineConfig, base: EngineConfig) -> EngineConfig:
+    """A config validated elsewhere, moved onto this deployment (knobs and mechanisms kept; an
+    early-exit draft model, which needs no separate model, is kept too)."""
+    dep = base.deployment
+    if cfg.deployment.drafter == "draft-model" and "exit_layers" in cfg.drafter_knobs:
+        dep = dataclasses.replace(dep, drafter="draft-model", draft_model=None)
+    elif cfg.deployment.drafter != dep.drafter:
+        raise ValueError("the remembered config uses another drafter")
+    return dataclasses.replace(cfg, deployment=dep)
+
+
+STATIC_GAP_ORDER = (
+    "draft",
+    "verify",
+    "lm_head",
+    "mlp",
+    "attn_proj",
+    "attn_kv",
+    "overhead",
+    "accept_commit",
+)
+"""Component order used when no measured profile ranks the gaps."""
+
+
+def rank_directions(directions: Sequence[Direction], gap_order: Sequence[str]) -> list[Direction]:
+    """Directions sorted by the rank of the best-ranked component they attack."""
+    rank = {c: i for i, c in enumerate(gap_order)}
+    return sorted(
+        directions,
+        key=lambda d: min((rank.get(c, len(rank)) for c in d.attacks), default=len(rank)),
+    )
