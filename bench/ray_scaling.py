@@ -10,7 +10,8 @@ copy-heavy prompts, CUDA graphs. ``--tiny``: a tiny fp32 model with random weigh
 tokenizer (from the cache), the n-gram drafter, on the CPU.
 
 1. **One trial budget**: ``--rounds 1`` (the stock engine, then one round of every direction),
-   ``--trials`` per direction (default: the workers, so each direction fills the pool once),
+   ``--trials`` per direction (default: the fewest, at least the workers, whose round can
+   reach 0.8 N: see 3.),
    static gap order, the local-search proposer, seed 0, a time budget no run reaches: every run
    measures the same configs and differs only in its workers. No held-out compare.
 2. **Correctness first**, every run: exit status 0; its memory holds each of its trials exactly
@@ -19,8 +20,11 @@ tokenizer (from the cache), the n-gram drafter, on the CPU.
 3. **Timing**: runs on 1 worker and on N alternate, ``--repeats`` of each; per arm the median
    search wall time (the loop's clock, ``run.json``) with its range, and the whole command's.
    Speedup = median(1 worker) / median(N workers), target >= 0.8 N. Beside it the speedup the
-   loop's order allows: it waits for each direction's batch before the next, so from the 1-worker
-   run's per-trial seconds, each batch dealt in order to N workers.
+   loop's order allows: a round's trials of every direction go to the pool as one queue (round
+   1's led by the stock trial), and a round's stacked trial runs alone after it; from the
+   1-worker run's per-trial seconds, each queue dealt in order to N workers. With equal trials
+   that is (M + I) / (ceil(M / N) + I), M = directions x trials + 1 in round 1's queue, I = 1
+   if winners of two directions were stacked (else 0).
 4. **Agreement**: each run's best config; the same, or within noise (each best's speedup range
    overlaps the other's as measured in the same run).
 5. ``--kill``: one more N-worker run (untimed) in which worker w1 is killed with SIGKILL
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -275,12 +280,20 @@ def agreement(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 
 def schedule_bound(one: dict[str, Any], n: int) -> float:
-    """Speedup the loop's order allows N workers: each batch (the trials of one round and
-    explorer, in the order the loop sent them) dealt to the first free of N workers, batches one
-    after another, with the 1-worker run's per-trial seconds."""
+    """Speedup the loop's order allows N workers, with the 1-worker run's per-trial seconds:
+    each round's trials of every direction are one queue (round 1's led by the stock trial,
+    unless a warm start ran in round 0), dealt in the order the loop sent them to the first free
+    of N workers; a round's stacked (``integrate``) trial waits for its queue and runs alone;
+    queues one after another (a round's decisions need all of its trials)."""
+    warm = any(t["round"] == 0 and t["explorer"] == "memory" for t in one["trials"])
     batches: dict[tuple[int, str], list[float]] = {}
-    for t in one["trials"]:
-        batches.setdefault((t["round"], t["explorer"]), []).append(t["busy_seconds"])
+    for i, t in enumerate(one["trials"]):
+        round_ = 1 if t["round"] == 0 and not warm else t["round"]
+        if round_ == 0 or t["explorer"] in ("integrate", "confirm"):
+            key = (round_, f"{t['explorer']}-{i}")  # alone
+        else:
+            key = (round_, "queue")
+        batches.setdefault(key, []).append(t["busy_seconds"])
     total = makespan = 0.0
     for seconds in batches.values():
         free = [0.0] * n
@@ -289,6 +302,21 @@ def schedule_bound(one: dict[str, Any], n: int) -> float:
             free[i] += s
         total, makespan = total + sum(seconds), makespan + max(free)
     return total / makespan if makespan > 0 else 0.0
+
+
+def wave_cap(n: int, queued: int, stacked: int) -> float:
+    """The same bound with equal trials: ``queued`` trials in round 1's queue (the stock one
+    included) take ceil(queued / n) waves, and each of ``stacked`` stacked trials one more."""
+    return (queued + stacked) / (math.ceil(queued / n) + stacked) if queued else 0.0
+
+
+def default_trials(n: int, directions: int) -> int:
+    """The fewest trials per direction, at least ``n``, whose round 1 (with the stock trial)
+    allows 0.8 N with equal trials and no stacked trial (``--trials N`` allows (3N + 1) / 4)."""
+    t = n
+    while wave_cap(n, directions * t + 1, 0) < 0.8 * n:
+        t += 1
+    return t
 
 
 # ----------------------------------------------------------------------------- main
@@ -309,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if n < 2 or torch.cuda.device_count() < n:
             sys.exit(f"needs at least 2 GPUs and --workers <= {torch.cuda.device_count()}")
         target = gpu_target(args)
-    args.trials = args.trials or n
+    args.trials = args.trials or default_trials(n, args.directions)
     log_path = args.out / "runs.jsonl"
     done = [json.loads(x) for x in log_path.read_text().splitlines()] if log_path.exists() else []
     plan = [(w, r, False) for r in range(args.repeats) for w in ((1, n) if r % 2 == 0 else (n, 1))]
@@ -373,6 +401,7 @@ def summarize(args: argparse.Namespace, n: int, records: list[dict[str, Any]]) -
         "target": 0.8 * n,
         "met": speedup is not None and speedup >= 0.8 * n,
         "schedule_bound": schedule_bound(first[1], n),
+        "wave_cap": wave_cap(n, *round_one(first[1])),
         "best_agree": agreement(first[1], first[n]),
         "best_config": {w: describe_best(first[w]) for w in (1, n)},
         "kill": None
@@ -388,6 +417,12 @@ def summarize(args: argparse.Namespace, n: int, records: list[dict[str, Any]]) -
     (args.out / "ray_scaling.json").write_text(json.dumps(out, indent=2) + "\n")
     print_table(out, n)
     return out
+
+
+def round_one(rec: dict[str, Any]) -> tuple[int, int]:
+    """(trials in round 1's queue, the stock one included; stacked trials) of a run."""
+    queued = sum(t["round"] in (0, 1) and t["explorer"] != "integrate" for t in rec["trials"])
+    return queued, sum(t["explorer"] == "integrate" for t in rec["trials"])
 
 
 def describe_best(rec: dict[str, Any]) -> str:
@@ -414,8 +449,8 @@ def print_table(out: dict[str, Any], n: int) -> None:
     sp = out["speedup_search"] or 0.0
     print(
         f"speedup (search wall): {sp:.2f}x, target >= {out['target']:.1f}x: "
-        f"{'MET' if out['met'] else 'MISSED'}; the loop's order allows {out['schedule_bound']:.2f}x; "
-        f"whole command {out['speedup_command'] or 0:.2f}x"
+        f"{'MET' if out['met'] else 'MISSED'}; the loop's order allows {out['schedule_bound']:.2f}x "
+        f"(equal trials: {out['wave_cap']:.2f}x); whole command {out['speedup_command'] or 0:.2f}x"
     )
     print(f"best configs: {out['best_agree']} ({out['best_config']})")
     k = out["kill"]
