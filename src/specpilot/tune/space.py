@@ -151,6 +151,18 @@ def directions_for(
                 _with_k,
             )
         )
+    early = dep.drafter == "ngram" and dep.draft_model is None and not simulated
+    if early:  # before the n-gram sizes and the early-exit draft model: a learned drafter
+        # drafts far better where it can pay (a GPU), so the first round measures it
+        from specpilot.drafters.shipped import shipped_kind
+
+        kind = shipped_kind(dep.target)
+        if kind is not None:  # the learned drafter that ships for this target
+            out.append(
+                Direction(
+                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
+                )
+            )
     if dep.drafter == "ngram" and not simulated:
         kn = base.drafter_knobs
         out.append(
@@ -164,17 +176,6 @@ def directions_for(
                 _with_ngram,
             )
         )
-    early = dep.drafter == "ngram" and dep.draft_model is None and not simulated
-    if early:  # before the early-exit draft model: the learned drafter drafts better
-        from specpilot.drafters.shipped import shipped_kind
-
-        kind = shipped_kind(dep.target)
-        if kind is not None:  # the learned drafter that ships for this target
-            out.append(
-                Direction(
-                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
-                )
-            )
     if early and num_layers and num_layers >= 2:
         layers = early_exit_layers(num_layers)
         out.append(
