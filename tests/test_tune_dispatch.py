@@ -186,3 +186,22 @@ def test_the_budget_holds_on_a_pool_and_loses_no_started_trial(tmp_path, order):
     text = "\n".join(logs)
     assert "time budget reached:" in text and "candidates not run" in text
     assert out.stock.config == BASE and rows[0][:2] == (0, "stock")
+
+
+@pytest.mark.parametrize("make", [SerialExecutor, FakePool], ids=["local", "pool"])
+def test_a_probe_direction_tries_its_defaults_alone_first(tmp_path, make) -> None:
+    """A drafter switch (``Direction.probe``) proposes one trial (its defaults) the first time,
+    then full rounds (later rounds may run fewer: configs already measured are not re-run); the
+    other directions propose their full rounds from the start."""
+    probe = dataclasses.replace(DIRECTIONS[2], probe=True)
+    fp = Fingerprint("t", "probe", "cpu", "", "", "", "fp32", "single")
+    with MemoryStore(tmp_path / "p.sqlite") as store:
+        settings = TuneSettings(rounds=3, trials_per_direction=3, explorer="local", min_gain=0.01)  # type: ignore[call-arg]
+        loop = TuneLoop(BASE, [DIRECTIONS[0], probe], make(), store, fp, "p", settings, log=lambda _: None)  # fmt: skip
+        loop.run()
+        rows = [(r.round, r.explorer) for r in store.trials(run=loop.run_id)]
+    first = {name: min(r for r, e in rows if e == name) for name in ("k", "b")}
+    per_round = {(r, e): sum(1 for x in rows if x == (r, e)) for r, e in rows}
+    assert per_round[(first["b"], "b")] == 1  # the probe: its defaults alone
+    assert per_round[(first["k"], "k")] > 1
+    assert loop._trials(probe) == 3  # proposed once: full rounds from now on

@@ -84,6 +84,8 @@ class TuneLoop:
         self.finished: dict[str, float] = {}
         """Loop seconds at which each streamed trial came back, by config hash."""
         self.quarantined: set[str] = set()
+        self._proposed: set[str] = set()
+        """Directions that have proposed at least once (a probe proposes one trial first)."""
         self.deployment = store.add_deployment(fingerprint, label)
         previous = store.latest_run(self.deployment) if resume else None
         if previous is not None:
@@ -184,8 +186,7 @@ class TuneLoop:
     ) -> tuple[Measured, TrialResult | None]:
         """Every picked direction's proposals around ``best`` and their results, all in one
         queue on the pool (led by the stock engine if ``stock``; then its result too)."""
-        n = self.settings.trials_per_direction
-        plans = [(d, self.explorers[d.name].propose(best, n)) for d in picked]
+        plans = [(d, self.explorers[d.name].propose(best, self._trials(d))) for d in picked]
         batches = [Batch(round_, d.name, [p.config for p in props]) for d, props in plans]
         lead = [Batch(0, "stock", [self.base], force=True)] if stock else []
         got = self._stream(lead + batches)
@@ -197,8 +198,14 @@ class TuneLoop:
         for d in picked:
             if not self._time_left():
                 return
-            props = self.explorers[d.name].propose(best, self.settings.trials_per_direction)
+            props = self.explorers[d.name].propose(best, self._trials(d))
             yield d, props, self._evaluate(round_, d.name, [p.config for p in props])
+
+    def _trials(self, d: Direction) -> int:
+        """Trials ``d`` proposes this round: one the first time for a probe (``Direction.probe``)."""
+        first = d.name not in self._proposed
+        self._proposed.add(d.name)
+        return 1 if d.probe and first else self.settings.trials_per_direction
 
     def _pick(self, round_: int, best: str) -> list[Direction]:
         n = self.settings.directions_per_round

@@ -30,6 +30,10 @@ class Direction:
     params: tuple[Knob, ...]
     derive: Callable[[EngineConfig, dict[str, Any]], EngineConfig]
     """base config + parameter values -> candidate config."""
+    probe: bool = False
+    """A switch to another drafter: its first round tries its defaults alone (one trial), and it
+    gets a full round of proposals only later, since a drafter that cannot pay on this machine
+    loses by a wide margin and its trials are the slowest of the search."""
 
 
 def config_hash(cfg: EngineConfig) -> str:
@@ -160,7 +164,11 @@ def directions_for(
         if kind is not None:  # the learned drafter that ships for this target
             out.append(
                 Direction(
-                    "learned-drafter", ("draft",), (Knob("k", 3, low=1, high=15),), _with_learned
+                    "learned-drafter",
+                    ("draft",),
+                    (Knob("k", 3, low=1, high=15),),
+                    _with_learned,
+                    probe=True,
                 )
             )
     if dep.drafter == "ngram" and not simulated:
@@ -187,6 +195,7 @@ def directions_for(
                     Knob("k", 4, low=1, high=8),
                 ),
                 _with_early_exit,
+                probe=True,
             )
         )
     if dep.drafter in GATED_DRAFTERS and not simulated:
