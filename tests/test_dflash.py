@@ -423,3 +423,15 @@ def test_the_shipped_drafter_is_found_and_searched(tmp_path: Path) -> None:
     assert "learned-drafter" not in {d.name for d in directions_for(other, "cpu", "llama", 30)}
     # a deployment already on a draft model (or the learned one) gets no second switch
     assert "learned-drafter" not in {d.name for d in directions_for(cfg, "cpu", "llama", 30)}
+
+
+def test_the_argument_check_takes_the_shipped_drafter_for_its_target() -> None:
+    """``--drafter dflash`` without ``--draft-model``: accepted for SmolLM2 (its drafter ships),
+    one clear error for another target, before anything loads."""
+    from specpilot.commands.common import check_engine_config
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.errors import SpecPilotError
+
+    check_engine_config(EngineConfig(DeploymentSpec(target="smollm2-135m", drafter="dflash"), k=4))
+    with pytest.raises(SpecPilotError, match="needs --draft-model DIR"):
+        check_engine_config(EngineConfig(DeploymentSpec(target="smollm2-135m", drafter="eagle3"), k=4))  # fmt: skip

@@ -278,6 +278,9 @@ def check_engine_config(config: EngineConfig, source: str | None = None) -> list
             + f"; choose one of none, {', '.join(sorted(DRAFTERS))}."
         )
     check_model_spec(dep.target)
+    from specpilot.drafters.shipped import shipped_drafter
+
+    shipped = shipped_drafter(dep.target, dep.drafter) is not None  # needs no --draft-model
     if dep.draft_model is not None:
         try:
             check_model_spec(dep.draft_model)
@@ -291,7 +294,7 @@ def check_engine_config(config: EngineConfig, source: str | None = None) -> list
         raise SpecPilotError(
             "The draft-model drafter needs --draft-model (a smaller model with the same tokenizer)."
         )
-    if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None:
+    if dep.drafter in CHECKPOINT_DRAFTERS and dep.draft_model is None and not shipped:
         raise SpecPilotError(
             f"The {dep.drafter} drafter needs --draft-model DIR, a {dep.drafter} checkpoint "
             "directory (config.json + safetensors)"
