@@ -65,16 +65,14 @@ class DFlashRecipe:
             net = load_dflash(s.init, target, self.kind, dtype=torch.float32)
             write_text_atomic(out / SPEC_FILE, json.dumps(config_from_spec(net.spec), indent=2))
             net.requires_grad_(True)
-            self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)  # fmt: skip
-            return net
+        else:
 
-        def new() -> DFlashSpec:
-            mask = mask_token(tokenizer, s.mask_token_id)
-            return spec_for_target(target.cfg, s.layers, s.block, mask, s.intermediate or 640)
+            def new() -> DFlashSpec:
+                mask = mask_token(tokenizer, s.mask_token_id)
+                return spec_for_target(target.cfg, s.layers, s.block, mask, s.intermediate or 640)
 
-        spec = run_spec(out, spec_from_config, new, config_from_spec)
-        net = DFlashNet(spec, target, torch.float32)
-        make_trainable(net, s.seed)
+            net = DFlashNet(run_spec(out, spec_from_config, new, config_from_spec), target, torch.float32)  # fmt: skip
+            make_trainable(net, s.seed)
         self._fwd = Forward(net, layers=net.decoder_layers(), use_triton=False, fuse_residual=False)
         return net
 
