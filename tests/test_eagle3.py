@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conftest import tiny_config, tiny_model
-from engine_cases import ar_tokens, repetitive_prompt, single_ar
+from engine_cases import ar_tokens, check_cuda_drafter_equals_ar, repetitive_prompt, single_ar
 from specpilot.drafters.eagle3 import Eagle3Drafter
 from specpilot.drafters.static_tree import build_static_tree
 from specpilot.drafters.tree import TreeShape
@@ -267,25 +267,13 @@ def test_speculative_equals_ar(tmp_path: Path, seed: int) -> None:
 def test_cuda_speculative_equals_ar(tmp_path: Path, graphs: bool) -> None:
     """fp32 on CUDA (the fused kernels; eagerly and from CUDA graphs): batched and through the
     scheduler, every request's output equals its AR output."""
-    from specpilot.models.transformer import Transformer
-
-    rng = random.Random(7)
     cfg = tiny_config(arch="llama", layers=3, vocab=V)
     cpu = tiny_model(cfg, 1)
     write_checkpoint(tmp_path / "d", cpu, 1)
     target = Transformer(cfg, dtype=torch.float32, device="cuda")
     target.init_random(1, std=0.15)  # the weights tiny_model gives on the CPU
     drafter = Eagle3Drafter.load(target, tmp_path / "d", k=4)
-    prompts = [repetitive_prompt(rng, V, rng.randint(1, 40)) for _ in range(3)]
-    want = [r.tokens for r in generate(Engine(target, graphs=False), prompts, 40, [])]
-    res = generate(Engine(target, drafter, graphs=graphs), prompts, 40, [])
-    assert [r.tokens for r in res] == want
-    assert sum(sum(r.stats.drafted) for r in res) > 0
-    sched = Scheduler(
-        Engine(target, drafter, graphs=graphs), slots=2, segment_tokens=7, max_context=96
-    )
-    reqs = [Request(str(i), tuple(p), 30, frozenset()) for i, p in enumerate(prompts)]
-    assert [r.tokens for r in sched.run(reqs)] == [w[:30] for w in want]
+    check_cuda_drafter_equals_ar(target, drafter, graphs)
 
 
 # ---------------------------------------------------------------------- refusals
