@@ -532,8 +532,14 @@ def _split(m: int, n: int, k: int, cfg: GemmConfig, device: torch.device) -> tup
         want = cfg.split_k
     else:
         want = max(1, (2 * _num_sms(device)) // tiles)
-    want = max(1, min(want, triton.cdiv(k, cfg.block_k), MAX_SPLIT_K))
-    k_split = triton.cdiv(triton.cdiv(k, want), cfg.block_k) * cfg.block_k
+    return k_splits(k, cfg.block_k, want)
+
+
+def k_splits(k: int, block_k: int, want: int) -> tuple[int, int]:
+    """``(split, k_split)``: about ``want`` K ranges (at most ``MAX_SPLIT_K``, at least one
+    ``block_k`` each), ``k_split`` a multiple of ``block_k``."""
+    want = max(1, min(want, triton.cdiv(k, block_k), MAX_SPLIT_K))
+    k_split = triton.cdiv(triton.cdiv(k, want), block_k) * block_k
     return triton.cdiv(k, k_split), k_split
 
 

@@ -43,6 +43,7 @@ from specpilot.kernels.w12_gemm import (
     _num_sms,
     _store_tile,
     check_tiling,
+    k_splits,
 )
 from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, W12Tensor
 
@@ -286,10 +287,7 @@ ESC_STEP = 16
 def _split(n: int, k: int, cfg: GemvConfig, device: torch.device) -> tuple[int, int]:
     """``(split, k_split)`` with ``k_split`` a multiple of ``block_k``."""
     tiles = triton.cdiv(n, cfg.block_n)
-    want = cfg.split_k or max(1, (2 * _num_sms(device)) // tiles)
-    want = max(1, min(want, triton.cdiv(k, cfg.block_k), MAX_SPLIT_K))
-    k_split = triton.cdiv(triton.cdiv(k, want), cfg.block_k) * cfg.block_k
-    return triton.cdiv(k, k_split), k_split
+    return k_splits(k, cfg.block_k, cfg.split_k or max(1, (2 * _num_sms(device)) // tiles))
 
 
 def _x_words(x: Tensor) -> Tensor:  # [M, K] bf16 -> [M, ceil(K/4) * 4] bf16, int64-viewable
