@@ -114,6 +114,47 @@ def test_local_search_exhausts_a_space_then_proposes_nothing():
     assert ex.propose(BASE, 5) == []
 
 
+@pytest.mark.parametrize("kind", ["local", "tpe"])
+def test_both_explorers_propose_the_defaults_then_the_seeds(kind):
+    if kind == "tpe":
+        pytest.importorskip("optuna")
+    seeded = dataclasses.replace(DIRECTION, seeds=({"k": 8, "a": 3}, {"k": 1, "a": 0}))
+    ex = make_explorer(seeded, 0, kind)
+    base = dataclasses.replace(BASE, k=2, drafter_knobs={"a": 2})
+    first = [(p.config.k, p.config.drafter_knobs["a"]) for p in ex.propose(base, 3)]
+    assert first == [(4, 1), (8, 3), (1, 0)]
+
+
+def test_tree_verify_is_seeded_with_the_measured_trees_on_cuda_only():
+    base = EngineConfig(deployment=DeploymentSpec(target="t", drafter="block"), k=7)
+    by_dev = {
+        dev: next(
+            d for d in directions_for(base, dev, "llama") if d.name == "mechanism:tree-verify"
+        )
+        for dev in ("cpu", "cuda")
+    }
+    assert by_dev["cpu"].seeds == ()
+    nodes = [s["max_nodes"] for s in by_dev["cuda"].seeds]
+    assert nodes == [48, 32] and all(
+        set(s) == {"depth", "width", "branch", "max_nodes"} for s in by_dev["cuda"].seeds
+    )
+
+
+def test_a_seed_with_an_unknown_knob_is_refused_at_registration():
+    from specpilot.mechanisms.registry import Mechanism
+
+    with pytest.raises(ValueError, match="no knob"):
+        Mechanism(
+            "m",
+            "verify",
+            "verify_strategy",
+            "-",
+            lambda b, k: None,
+            (),
+            seeds={"cuda": ({"nodes": 4},)},
+        )
+
+
 def _set_k(base: EngineConfig, p: dict) -> EngineConfig:
     return dataclasses.replace(base, k=int(p["k"]))
 

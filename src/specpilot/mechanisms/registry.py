@@ -106,12 +106,19 @@ class Mechanism:
     knobs: tuple[Knob, ...] = ()
     applies: Applicability = field(default_factory=Applicability)
     summary: str = ""
+    seeds: Mapping[str, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+    """Per device type, knob settings (the rest at their defaults) the tuner tries right after
+    the defaults: points a measurement on that device found better than the defaults, so that a
+    short search reaches them (e.g. the 48-node tree on the H200)."""
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
             raise ValueError(f"mechanism {self.name}: unknown component {self.component!r}")
         if self.plug_point not in PLUG_POINTS:
             raise ValueError(f"mechanism {self.name}: unknown plug point {self.plug_point!r}")
+        for seeds in self.seeds.values():
+            for seed in seeds:
+                self.resolve_knobs(seed)  # an unknown knob or a value out of range fails here
 
     def resolve_knobs(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """Defaults filled in, every value validated; unknown knob names are an error."""

@@ -100,6 +100,17 @@ TREE_KNOBS = (
     Knob("max_nodes", 24, low=1, high=64, doc="total nodes per tree (verify feeds 1 + nodes)"),
 )
 
+TREE_SEEDS = {
+    "cuda": (
+        {"depth": 16, "width": 7, "branch": 2, "max_nodes": 48},
+        {"depth": 16, "width": 4, "branch": 2, "max_nodes": 32},
+    )
+}
+"""Trees the H200 measured better than the 24-node default (``bench/tree_accept_gpu.py``, 8B
+shape, EAGLE-like simulated profile: 48 nodes 1.298×, 32 nodes 1.248× the chain; the depth is cut
+to the drafter's k): a verify there costs nearly the same at 1 + 48 tokens as at 1 + k, so wider
+trees are nearly free. Not seeded on the CPU, where a verify's cost grows with its tokens."""
+
 MECHANISM = Mechanism(
     name="tree-verify",
     component="verify",
@@ -111,6 +122,7 @@ MECHANISM = Mechanism(
         drafters=("ngram", "draft-model", "block", "dflash", "dflash2", "eagle3")
     ),
     summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
+    seeds=TREE_SEEDS,
 )
 
 RAGGED_TREES = Mechanism(

@@ -4,7 +4,7 @@
 ``local_search.py`` (no dependency), and says which.
 
 The first proposal of a direction is its defaults (so "just enable the mechanism" is always
-tried); later ones come from TPE, which learns from every result told back, failed gates
+tried), then its seeds (points measured better on this device, ``Direction.seeds``); later ones come from TPE, which learns from every result told back, failed gates
 included (told as speedup 0, so the sampler moves away from them).
 """
 
@@ -52,6 +52,8 @@ class Explorer:
             self._study = optuna.create_study(direction="maximize", sampler=sampler)
             if self.direction.params:
                 self._study.enqueue_trial({k.name: k.default for k in self.direction.params})
+                for seed in self.direction.seeds:
+                    self._study.enqueue_trial(dict(seed))
         return self._study
 
     def propose(self, base: EngineConfig, n: int) -> list[Proposal]:

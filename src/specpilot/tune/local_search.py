@@ -1,7 +1,7 @@
 """A proposer that needs no Optuna: seeded local search over a direction's knobs.
 
 Used when Optuna is not installed (e.g. a GPU machine without the ``tune`` extra). The first
-proposal is the direction's defaults, like the TPE explorer; later ones are neighbours of the best
+proposals are the direction's defaults and seeds, like the TPE explorer; later ones are neighbours of the best
 parameters told back so far (one knob moved one step: the next choice, or ±1 on an int range, ±10%
 of the range on a float), then random unvisited points once the neighbourhood is exhausted. It
 never proposes a point it has already proposed. It is a plain hill climber, not a model-based
@@ -77,7 +77,7 @@ class LocalSearchExplorer:
         return out
 
     def propose(self, base: EngineConfig, n: int) -> list[Proposal]:
-        """Up to ``n`` unvisited points: the defaults first, then neighbours of the best told
+        """Up to ``n`` unvisited points: the defaults and the seeds first, then neighbours of the best told
         point, then random ones. A point that derives ``base`` itself (already measured: the
         loop's best) is skipped."""
         knobs = self.direction.params
@@ -85,6 +85,7 @@ class LocalSearchExplorer:
         pool: list[dict[str, Any]] = []
         if not self._proposed:
             pool.append({k.name: k.default for k in knobs})
+            pool += [dict(seed) for seed in self.direction.seeds]
         if knobs:
             pool += self._candidates()
             pool += [

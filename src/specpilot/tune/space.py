@@ -34,6 +34,9 @@ class Direction:
     """A switch to another drafter: its first round tries its defaults alone (one trial), and it
     gets a full round of proposals only later, since a drafter that cannot pay on this machine
     loses by a wide margin and its trials are the slowest of the search."""
+    seeds: tuple[dict[str, Any], ...] = ()
+    """Full parameter sets proposed right after the defaults (a mechanism's measured points for
+    this device, ``Mechanism.seeds``)."""
 
 
 def config_hash(cfg: EngineConfig) -> str:
@@ -117,14 +120,19 @@ def early_exit_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(1, round(num_layers * f)), num_layers - 1) for f in fracs}))
 
 
-def _mechanism_direction(name: str) -> Direction:
+def _mechanism_direction(name: str, device: str) -> Direction:
     mech = MECHANISMS[name]
+    seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
 
     def derive(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
         return dataclasses.replace(base, mechanisms={**base.mechanisms, name: dict(p)})
 
     return Direction(
-        name=f"mechanism:{name}", attacks=(mech.component,), params=mech.knobs, derive=derive
+        name=f"mechanism:{name}",
+        attacks=(mech.component,),
+        params=mech.knobs,
+        derive=derive,
+        seeds=seeds,
     )
 
 
@@ -224,7 +232,7 @@ def directions_for(
         )
     for name, mech in sorted(MECHANISMS.items()):
         if mech.applies.allows(device, dep.dtype, dep.drafter, dep.mode, arch):
-            out.append(_mechanism_direction(name))
+            out.append(_mechanism_direction(name, device))
     return out
 
 
