@@ -7,6 +7,7 @@ runs the very same weights. Only the rotary buffers are rebuilt on the device.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from specpilot.config import ModelConfig
 from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.synthetic import DRAFT_MODEL_FOR_TARGET, build_draft_model
 
 
 def hf_config(cfg: ModelConfig) -> Any:
@@ -125,3 +127,67 @@ def hf_generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return [int(t) for t in out[0, ids.shape[1] :].tolist()], time.perf_counter() - t0
+
+
+def prefix_agree(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def hf_side(
+    target: Transformer,
+    name: str,
+    args: argparse.Namespace,
+    prompt: list[int],
+    ar_tokens: list[int],
+    deadline: float,
+) -> dict[str, Any]:
+    """HF eager (and static-cache + compile, assisted) decode rates on the target's weights,
+    for the GPU suite (``bench/gpu_suite.py``); each part skipped when the budget runs short."""
+    dev, n = target.device, args.hf_tokens
+    out: dict[str, Any] = {"new_tokens": n, "rate": "decode tok/s = (n-1)/(t(n) - t(1))"}
+    hf = hf_model(target)
+    hf_generate(hf, prompt, 2, dev)  # warm-up
+    _, t1 = hf_generate(hf, prompt, 1, dev)
+    toks, tn = hf_generate(hf, prompt, n, dev)
+    out["eager_tok_s"] = (n - 1) / max(tn - t1, 1e-9)
+    out["eager_agree_prefix_with_ours"] = prefix_agree(toks, ar_tokens)
+    compile_shapes = [s for s in args.hf_compile_shapes.split(",") if s]
+    if name in compile_shapes and dev.type == "cuda":
+        if time.perf_counter() < deadline - 240:
+            try:
+                t0 = time.perf_counter()
+                hf_generate(hf, prompt, n, dev, cache_implementation="static")
+                out["static_compile_first_call_s"] = time.perf_counter() - t0
+                _, t1 = hf_generate(hf, prompt, 1, dev, cache_implementation="static")
+                toks, tn = hf_generate(hf, prompt, n, dev, cache_implementation="static")
+                out["static_compile_tok_s"] = (n - 1) / max(tn - t1, 1e-9)
+            except Exception as e:  # report, never abort the suite
+                out["static_compile_error"] = f"{type(e).__name__}: {e}"[:400]
+        else:
+            out["static_compile_skipped"] = "time budget"
+    draft_shape = DRAFT_MODEL_FOR_TARGET.get(name)
+    if draft_shape and not args.no_assisted:
+        if time.perf_counter() < deadline - 60:
+            try:
+                dtype = target.dtype
+                draft = build_draft_model(
+                    draft_shape, dev, dtype, max_positions=target.max_positions
+                )
+                hd = hf_model(draft)
+                _, ta = hf_generate(hf, prompt, n, dev, assistant_model=hd)
+                out["assisted_draft_shape"] = draft_shape
+                out["assisted_tok_s_incl_prefill"] = n / ta
+                out["assisted_note"] = "random draft weights: acceptance ~0, machinery cost only"
+                del hd, draft
+            except Exception as e:
+                out["assisted_error"] = f"{type(e).__name__}: {e}"[:400]
+        else:
+            out["assisted_skipped"] = "time budget"
+    del hf
+    return out

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from specpilot.bench import gpu_ceilings
+from specpilot.bench.gpu_hf import hf_side, prefix_agree
+from specpilot.bench.gpu_suite_report import table, targets
 from specpilot.bench.records import git_rev
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.draft_model import DraftModelDrafter
@@ -82,15 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _prefix_agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def forcing_summary(target: Transformer, prompt: list[int], tokens: list[int]) -> dict[str, Any]:
@@ -171,63 +164,9 @@ def _spec_run(
         "oracle_divergences": sim.divergences,
         "oracle_reference_runs": sim.reference_runs,
         "tokens_equal_ar": tokens == ar_tokens[: len(tokens)],
-        "agree_prefix_with_ar": _prefix_agree(tokens, ar_tokens),
+        "agree_prefix_with_ar": prefix_agree(tokens, ar_tokens),
         "forcing": forcing_summary(target, prompt, tokens),
     }
-
-
-def _hf_side(
-    target: Transformer,
-    name: str,
-    args: argparse.Namespace,
-    prompt: list[int],
-    ar_tokens: list[int],
-    deadline: float,
-) -> dict[str, Any]:
-    from specpilot.bench.gpu_hf import hf_generate, hf_model
-
-    dev, n = target.device, args.hf_tokens
-    out: dict[str, Any] = {"new_tokens": n, "rate": "decode tok/s = (n-1)/(t(n) - t(1))"}
-    hf = hf_model(target)
-    hf_generate(hf, prompt, 2, dev)  # warm-up
-    _, t1 = hf_generate(hf, prompt, 1, dev)
-    toks, tn = hf_generate(hf, prompt, n, dev)
-    out["eager_tok_s"] = (n - 1) / max(tn - t1, 1e-9)
-    out["eager_agree_prefix_with_ours"] = _prefix_agree(toks, ar_tokens)
-    compile_shapes = [s for s in args.hf_compile_shapes.split(",") if s]
-    if name in compile_shapes and dev.type == "cuda":
-        if time.perf_counter() < deadline - 240:
-            try:
-                t0 = time.perf_counter()
-                hf_generate(hf, prompt, n, dev, cache_implementation="static")
-                out["static_compile_first_call_s"] = time.perf_counter() - t0
-                _, t1 = hf_generate(hf, prompt, 1, dev, cache_implementation="static")
-                toks, tn = hf_generate(hf, prompt, n, dev, cache_implementation="static")
-                out["static_compile_tok_s"] = (n - 1) / max(tn - t1, 1e-9)
-            except Exception as e:  # report, never abort the suite
-                out["static_compile_error"] = f"{type(e).__name__}: {e}"[:400]
-        else:
-            out["static_compile_skipped"] = "time budget"
-    draft_shape = DRAFT_MODEL_FOR_TARGET.get(name)
-    if draft_shape and not args.no_assisted:
-        if time.perf_counter() < deadline - 60:
-            try:
-                dtype = target.dtype
-                draft = build_draft_model(
-                    draft_shape, dev, dtype, max_positions=target.max_positions
-                )
-                hd = hf_model(draft)
-                _, ta = hf_generate(hf, prompt, n, dev, assistant_model=hd)
-                out["assisted_draft_shape"] = draft_shape
-                out["assisted_tok_s_incl_prefill"] = n / ta
-                out["assisted_note"] = "random draft weights: acceptance ~0, machinery cost only"
-                del hd, draft
-            except Exception as e:
-                out["assisted_error"] = f"{type(e).__name__}: {e}"[:400]
-        else:
-            out["assisted_skipped"] = "time budget"
-    del hf
-    return out
 
 
 def run_shape(
@@ -293,7 +232,7 @@ def run_shape(
     if not args.no_hf:
         if time.perf_counter() < deadline - 30:
             try:
-                out["hf"] = _hf_side(target, name, args, prompt, ar_tokens, deadline)
+                out["hf"] = hf_side(target, name, args, prompt, ar_tokens, deadline)
             except Exception as e:
                 out["hf"] = {"error": f"{type(e).__name__}: {e}"[:400]}
         else:
@@ -370,62 +309,6 @@ def _kernel_profile(name: str, args: argparse.Namespace, dev: torch.device) -> d
 
 def vc_time(target: Transformer, prompt: list[int], width: int, iters: int) -> float:
     return _verify_engine(target, prompt, width).time_forward(width, iters)
-
-
-def _fmt(x: Any, spec: str) -> str:
-    return format(x, spec) if isinstance(x, int | float) else "-"
-
-
-def table(results: dict[str, Any]) -> str:
-    rows = [
-        "shape         AR tok/s  roofline  tV16/tAR  spec tok/s*  tau*   spec/pred  other@k8  "
-        "HF eager  HF static+compile  HF assisted",
-    ]
-    for name, r in results["shapes"].items():
-        if "error" in r:
-            rows.append(f"{name:<13} error: {r['error'][:80]}")
-            continue
-        hf, sb, k8 = r.get("hf", {}), r.get("spec_block", {}), r.get("spec_k8", {})
-        v16 = r["verify_curve"].get(str(sb.get("k", 15) + 1), {}).get("ratio_to_ar")
-        pred = sb.get("fraction_of_predicted")
-        other = k8.get("other_fraction")
-        rows.append(
-            f"{name:<13} {_fmt(r['ar']['tok_s'], '8.1f')}  {_fmt(100 * r['ar']['roofline_fraction'], '6.1f')}%"
-            f"  {_fmt(v16, '8.3f')}  {_fmt(sb.get('tok_s'), '10.1f')}  {_fmt(sb.get('tau_measured'), '5.2f')}"
-            f"  {_fmt(None if pred is None else 100 * pred, '8.1f')}%"
-            f"  {_fmt(None if other is None else 100 * other, '7.2f')}%"
-            f"  {_fmt(hf.get('eager_tok_s'), '8.1f')}  {_fmt(hf.get('static_compile_tok_s'), '17.1f')}"
-            f"  {_fmt(hf.get('assisted_tok_s_incl_prefill'), '11.1f')}"
-        )
-    c = results["ceilings"]
-    rows.append(
-        f"* {SIM_LABEL} ({results['args']['sim_accept']}, block drafter); "
-        f"copy {c['copy_bandwidth_Bps'] / 1e12:.3f} TB/s, read {c['read_bandwidth_Bps'] / 1e12:.3f} TB/s, "
-        f"matmul {c['matmul_flops'] / 1e12:.0f} TFLOP/s; commit {results['commit']}, {results['date']}"
-    )
-    return "\n".join(rows)
-
-
-def targets(results: dict[str, Any]) -> dict[str, Any]:
-    """The issue's four targets, judged from this run's numbers."""
-    out: dict[str, Any] = {}
-    llama = results["shapes"].get("llama3-8b")
-    if llama and "ar" in llama:
-        f = llama["ar"]["roofline_fraction"]
-        out["ar_llama3_8b_roofline>=0.92"] = {"value": f, "met": f >= 0.92}
-    for name in ("llama3-8b", "qwen3-8b"):
-        r = results["shapes"].get(name)
-        if r and "verify_curve" in r and "16" in r["verify_curve"]:
-            v = r["verify_curve"]["16"]["ratio_to_ar"]
-            out[f"tverify16/tAR_{name}<=1.15"] = {"value": v, "met": v <= 1.15}
-    for name, r in results["shapes"].items():
-        if "other_fraction" in r.get("spec_k8", {}):
-            v = r["spec_k8"]["other_fraction"]
-            out[f"other_fraction_k8_{name}<=0.05"] = {"value": v, "met": v <= 0.05}
-        if "fraction_of_predicted" in r.get("spec_block", {}):
-            v = r["spec_block"]["fraction_of_predicted"]
-            out[f"spec_vs_predicted_{name}>=0.90 ({SIM_LABEL})"] = {"value": v, "met": v >= 0.90}
-    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
