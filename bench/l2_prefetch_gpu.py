@@ -122,6 +122,7 @@ class Bench:
         self.rounds = args.rounds or (3 if self.tiny else 15)
         self.t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.graphs: list[Callable[[], None]] = []  # keeps the pool's graphs alive (``graph``)
         self.out: dict[str, Any] = {
             "device": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
             "git": git_rev(),
@@ -139,7 +140,15 @@ class Bench:
         (self.args.out / "l2_prefetch_gpu.json").write_text(json.dumps(self.out, indent=1))
 
     def graph(self, fn: Callable[[], None]) -> Callable[[], None]:
-        return capture_graph(fn, self.dev, self.pool) if self.cuda else fn
+        """``fn`` captured into the run's one pool. Every graph is kept alive for the whole run:
+        once the last graph of a pool is freed, torch releases the pool, and a later capture into
+        the same handle trips the caching allocator's ``use_count > 0`` assert (what broke the
+        first H200 run of this script between the checks and the efficacy section)."""
+        if not self.cuda:
+            return fn
+        replay = capture_graph(fn, self.dev, self.pool)
+        self.graphs.append(replay)
+        return replay
 
     def rand(self, *shape: int, seed: int = 0) -> torch.Tensor:
         g = torch.Generator(device=self.dev).manual_seed(seed)

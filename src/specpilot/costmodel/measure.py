@@ -64,7 +64,9 @@ def capture_graph(fn: Thunk, device: torch.device, pool: Any = None) -> Thunk:
     """Capture ``fn`` in a CUDA graph (after a warm-up on a side stream); returns its replay.
 
     ``pool``: a ``torch.cuda.graph_pool_handle()`` shared by graphs that replay one at a time on
-    one stream (as the engine's :class:`~specpilot.engine.runner.Runner` does)."""
+    one stream (as the engine's :class:`~specpilot.engine.runner.Runner` does). Keep every graph
+    of a pool alive while more are captured into it: when its last graph is freed torch releases
+    the pool, and a capture into the same handle then fails an allocator assert."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
