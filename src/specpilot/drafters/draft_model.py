@@ -11,7 +11,7 @@ greedy chain.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +32,27 @@ def check_draft_model(model: Transformer, k: int, target_vocab_size: int | None)
             f"The drafter's vocabulary has {model.cfg.vocab_size} tokens but the target's has "
             f"{target_vocab_size}; a draft model must share the target's tokenizer."
         )
+
+
+Feed = Callable[[int, Tensor, Tensor, int], None]
+"""``feed(row, tokens [1, T], start [1], attn_len)``: a model's K/V of one row's tokens."""
+
+
+def refeed_committed(
+    rows: DraftRows, which: Sequence[int], since: Sequence[int], feed: Feed
+) -> None:
+    """Rows ``which`` committed by AR from ``since`` on: ``feed`` each one's committed tokens at
+    slots ``since - 2 .. C - 3`` (a cache kept like the draft model's holds the slots below
+    ``since - 2``, and every cycle re-feeds ``C - 2`` and ``C - 1`` itself)."""
+    st = rows.state
+    lens = rows.committed_lens()
+    for row, s in zip(which, since, strict=True):
+        lo, hi = max(s - 2, 0), lens[row] - 2
+        if hi <= lo:
+            continue
+        tokens = st.tokens[row : row + 1, lo:hi]  # [1, T]
+        start = torch.tensor([lo], dtype=torch.int64, device=st.tokens.device)
+        feed(row, tokens, start, rows.bucket(hi))
 
 
 class DraftModelDrafter:
@@ -71,15 +92,9 @@ class DraftModelDrafter:
         """Rows that committed by AR from ``since`` on: feed the draft model the tokens it missed
         (its cache holds slots below ``since - 2``; a cycle feeds the last two itself), one
         eager forward per row (drafting resumes rarely)."""
-        st = rows.state
-        lens = rows.committed_lens()
-        for row, s in zip(which, since, strict=True):
-            lo, hi = max(s - 2, 0), lens[row] - 2
-            if hi <= lo:
-                continue
-            tokens = st.tokens[row : row + 1, lo:hi]  # [1, T]
-            start = torch.tensor([lo], dtype=torch.int64, device=st.tokens.device)
-            self.prefill(rows, row, tokens, start, rows.bucket(hi), None)
+        refeed_committed(
+            rows, which, since, lambda row, t, s, n: self.prefill(rows, row, t, s, n, None)
+        )
 
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:
         return rows.bucket(max_committed + self.k)

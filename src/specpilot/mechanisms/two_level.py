@@ -47,6 +47,7 @@ from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.cheap_scorer import CheapScorer, idle_safe
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.two_level_device import DeviceTwoLevelDrafter, two_level_k
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
@@ -92,9 +93,7 @@ class TwoLevelDrafter(WrappedDrafter):
     """Wraps any :class:`Drafter`: its proposals are corrected (and extended) by a cheap model."""
 
     def __init__(self, inner: Drafter, cheap: Transformer, max_extension: int = 0) -> None:
-        if max_extension < 0:
-            raise ValueError(f"max_extension must be at least 0, got {max_extension}")
-        super().__init__(inner, f"{inner.name}+two-level", inner.k + 1 + max_extension)
+        super().__init__(inner, f"{inner.name}+two-level", two_level_k(inner, max_extension))
         self.cheap = cheap
         self.scorer = CheapScorer(cheap)
         self.max_extension = max_extension
@@ -141,15 +140,25 @@ class TwoLevelDrafter(WrappedDrafter):
         st.appended += 1
 
 
+DEVICE_MAX_M = 256
+"""Rows per call up to which the device variant's cheap copy reads INT8 (its block forward has
+``batch * (k + 2)`` rows; the host variant's default of 64 would send a batch of 8 at block 8
+to the exact weights). Longer prompt segments still prefill with the exact weights."""
+
+
 def wrap(
     drafter: Drafter, target: Transformer, variant: str, max_extension: int
-) -> TwoLevelDrafter:
-    """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors)."""
+) -> TwoLevelDrafter | DeviceTwoLevelDrafter:
+    """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors):
+    inside the captured draft step for a graph-safe drafter (``two_level_device``), on the
+    host otherwise."""
     from specpilot.mechanisms.int8_copy import cheap_model
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     extension = max_extension if variant == "correct-extend" else 0
+    if drafter.graph_safe:
+        return DeviceTwoLevelDrafter(drafter, cheap_model(target, DEVICE_MAX_M), extension)
     return TwoLevelDrafter(drafter, cheap_model(target), extension)
 
 
