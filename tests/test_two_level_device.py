@@ -10,12 +10,21 @@ The step under emulated graph replay and the host-sync guard over every plan:
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_model
-from engine_cases import ar_tokens, block_drafter, repetitive_prompt, simulated, tokens
+from conftest import run_interpreted, tiny_config, tiny_model
+from engine_cases import (
+    ar_tokens,
+    block_drafter,
+    check_cuda_drafter_equals_ar,
+    repetitive_prompt,
+    simulated,
+    tokens,
+)
 from specpilot.drafters import DraftModelDrafter, NgramDrafter
 from specpilot.drafters.base import Drafter, gateable
 from specpilot.engine import Engine, Request, Scheduler, generate
@@ -220,6 +229,23 @@ def test_the_draft_step_never_syncs_with_the_host() -> None:
         engine.drafter.propose(engine, 32)  # type: ignore[union-attr]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["cuda-eager", "cuda-graphs"])
+@pytest.mark.parametrize("kind", ["draft", "block"])
+def test_cuda_device_two_level_equals_ar(graphs: bool, kind: str) -> None:
+    """fp32 on CUDA, eagerly and from captured graphs (the cheap forwards inside the draft
+    graph): three prompts batched and through the scheduler equal eager AR."""
+    cfg = tiny_config(vocab=97)
+    target = Transformer(cfg, dtype=torch.float32, device="cuda")
+    target.init_random(0, std=0.15)
+    other = Transformer(cfg, dtype=torch.float32, device="cuda")
+    other.init_random(100, std=0.15)
+    inner = DraftModelDrafter(other, k=3) if kind == "draft" else block_drafter(target, 5)
+    drafter = DeviceTwoLevelDrafter(inner, cheap_model(target, 256), 2)
+    check_cuda_drafter_equals_ar(target, drafter, graphs)
+    assert drafter.stats()["rows"] > 0
+
+
 # ---------------------------------------------------------------- dispatch
 def test_wrap_picks_the_device_path_for_graph_safe_drafters() -> None:
     cfg = tiny_config(vocab=97)
@@ -233,3 +259,31 @@ def test_wrap_picks_the_device_path_for_graph_safe_drafters() -> None:
     assert wrap(block_drafter(target, 5), target, "correct", 4).k == 5  # no extension
     with pytest.raises(ValueError, match="graph-safe"):
         DeviceTwoLevelDrafter(NgramDrafter(k=3), target)
+
+
+# ---------------------------------------------------------------- interpreter (subprocess)
+def test_triton_path_in_interpreter() -> None:
+    """bf16 on the CPU with TRITON_INTERPRET=1: the INT8 Triton GEMM and the fused decode
+    kernels run inside the draft step; a peaked target (clear margins) still equals AR."""
+    assert "interpreted ok" in run_interpreted([str(Path(__file__).resolve()), "triton"])
+
+
+def _group_triton() -> None:
+    from specpilot.synthetic import build_target, make_peaked
+
+    dev = torch.device("cpu")
+    with torch.inference_mode():
+        target = make_peaked(build_target("tiny-llama", dev, torch.bfloat16, max_positions=128))
+        draft = build_target("tiny-llama", dev, torch.bfloat16, seed=5, max_positions=128)
+        cheap = cheap_model(target, 256)
+        assert cheap.layers[0].linear_fns["w_qkv"].use_triton  # type: ignore[union-attr]
+        prompts = [[3, 17, 40, 2, 9, 61, 5]]
+        want = tokens(generate(Engine(target), prompts, 8))
+        drafter = DeviceTwoLevelDrafter(DraftModelDrafter(draft, k=3), cheap, 1)
+        assert tokens(generate(Engine(target, drafter), prompts, 8)) == want
+        assert drafter.stats()["rows"] > 0
+    print("interpreted ok")
+
+
+if __name__ == "__main__":
+    {"triton": _group_triton}[sys.argv[1]]()
