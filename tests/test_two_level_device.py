@@ -261,6 +261,37 @@ def test_wrap_picks_the_device_path_for_graph_safe_drafters() -> None:
         DeviceTwoLevelDrafter(NgramDrafter(k=3), target)
 
 
+def test_registered_for_graph_safe_drafters_and_screened_by_the_cost_model() -> None:
+    from specpilot.drafters.simulated import AcceptanceProfile
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.mechanisms import MECHANISMS
+    from specpilot.mechanisms.two_level_cost import screen
+    from specpilot.tune.space import directions_for, skipped_mechanisms
+
+    mech = MECHANISMS["two-level"]
+    for drafter in ("ngram", "draft-model", "block", "dflash", "dflash2", "eagle3"):
+        assert mech.applies.allows("cuda", "bf16", drafter, "single", "llama")
+    assert not mech.applies.allows("cpu", "fp32", "block", "single", "llama")
+    weak, strong = (AcceptanceProfile.parse(f"tau={t},block=8").survival() for t in (1.5, 3))
+    assert screen(weak) is None and screen(weak, extension=4) is None
+    why = screen(strong)
+    assert why is not None and "too good" in why and "tau 3.00" in why
+    assert screen(strong, cheap_fraction=0.2) is None  # a cheaper level would pay there
+
+    def config(profile: str | None) -> EngineConfig:
+        dep = DeploymentSpec("unused", drafter="block", dtype="bf16", simulate_acceptance=profile)
+        return EngineConfig(dep, k=7)
+
+    def searched(cfg: EngineConfig) -> bool:
+        return "mechanism:two-level" in {d.name for d in directions_for(cfg, "cuda", "llama")}
+
+    assert searched(config("tau=1.5,block=8")) and searched(config(None))  # real: the trial says
+    assert not searched(config("tau=3,block=8"))
+    skipped = skipped_mechanisms(config("tau=3,block=8"), "cuda", "llama")
+    assert any(s.startswith("two-level: the cost model predicts") for s in skipped)
+    assert not any(s.startswith("two-level") for s in skipped_mechanisms(config(None), "cuda", ""))
+
+
 # ---------------------------------------------------------------- interpreter (subprocess)
 def test_triton_path_in_interpreter() -> None:
     """bf16 on the CPU with TRITON_INTERPRET=1: the INT8 Triton GEMM and the fused decode

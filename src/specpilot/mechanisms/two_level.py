@@ -52,6 +52,7 @@ from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
+    from specpilot.engine.config import EngineConfig
 
 VARIANTS = ("correct", "correct-extend")
 
@@ -170,6 +171,24 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     )
 
 
+GRAPH_SAFE_DRAFTERS = ("draft-model", "block", "dflash", "dflash2", "eagle3")
+"""Drafters whose proposal is device work: corrected inside the captured draft step."""
+
+
+def _screen(config: EngineConfig) -> str | None:
+    """The cost model's verdict where the acceptance is known in advance (a simulated profile,
+    with the mechanism's knobs as the tuner starts them); None otherwise: the trial measures."""
+    from specpilot.drafters.simulated import AcceptanceProfile
+    from specpilot.mechanisms.two_level_cost import screen
+
+    text = config.deployment.simulate_acceptance
+    if text is None:
+        return None
+    knobs = config.mechanisms.get("two-level", {})
+    ext = int(knobs.get("max_extension", 4)) if knobs.get("variant") == "correct-extend" else 0
+    return screen(AcceptanceProfile.parse(text).survival(), ext)
+
+
 MECHANISM = Mechanism(
     name="two-level",
     component="verify",
@@ -199,15 +218,26 @@ MECHANISM = Mechanism(
         ),
     ),
     # Memory-bound verify (cuda, bf16) is where the cheap level is ~half an exact verify; on the
-    # CPU the reference dequantizes per call and costs more than the exact forward. Eager drafters
-    # only. It still loses where the drafter already agrees with the target (one-level tau above
-    # ~2 for ``correct``): two_level_cost.predict says so per deployment. H200 (docs/BENCHMARKS.md,
-    # third session): SmolLM2 real acceptance doubles tau per exact verify on mt-bench (0.79-1.08x
-    # one-level speed, within noise) and loses on copy-heavy (0.34-0.44x), as predicted.
+    # CPU the reference dequantizes per call and costs more than the exact forward. Host drafters
+    # (n-gram) through the host wrapper, graph-safe ones (draft model, block / DFlash, EAGLE-3)
+    # inside the captured draft step (two_level_device). It still loses where the drafter already
+    # agrees with the target (one-level tau above ~2 for ``correct``): the screen asks
+    # two_level_cost under a simulated profile; with real acceptance the tuner's trial measures.
+    # H200 (docs/BENCHMARKS.md, third session, host variant): SmolLM2 real acceptance doubles tau
+    # per exact verify on mt-bench (0.79-1.08x one-level speed, within noise) and loses on
+    # copy-heavy (0.34-0.44x), as predicted. The device variant is not measured yet.
     applies=Applicability(
-        devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=("ngram", "draft-model")
+        devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=(*GRAPH_SAFE_DRAFTERS, "ngram")
     ),
     summary="INT8 copy of the target corrects (and extends) each draft before the exact verify",
+    screen=_screen,
 )
 
-__all__ = ["MECHANISM", "VARIANTS", "TwoLevelDrafter", "TwoLevelStats", "wrap"]
+__all__ = [
+    "GRAPH_SAFE_DRAFTERS",
+    "MECHANISM",
+    "VARIANTS",
+    "TwoLevelDrafter",
+    "TwoLevelStats",
+    "wrap",
+]
