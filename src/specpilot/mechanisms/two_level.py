@@ -1,5 +1,9 @@
 """Two-level verification: an INT8 copy of the target corrects the draft before the exact verify.
 
+This module is the host variant (for host drafters: n-gram) and the mechanism; ``wrap`` hands a
+graph-safe drafter to the device variant (``two_level_device``: the same block rule inside the
+captured draft step, the cheap KV cache at the target's slots).
+
 Variant built (*correct*, optionally *extend*), per row and cycle:
 
 1. the inner drafter (n-gram, draft model, ...) proposes ``d_1..d_k``;
