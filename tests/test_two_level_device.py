@@ -21,6 +21,8 @@ from engine_cases import (
     ar_tokens,
     block_drafter,
     check_cuda_drafter_equals_ar,
+    dflash_drafter,
+    eagle3_drafter,
     repetitive_prompt,
     simulated,
     tokens,
@@ -72,10 +74,14 @@ def _inner(kind: str, target: Transformer, other: Transformer, rng: random.Rando
         return DraftModelDrafter(other, k=rng.choice((1, 3, 5)))
     if kind == "block":
         return block_drafter(target, rng.randint(2, 7), seed=rng.randrange(100))
+    if kind == "dflash":
+        return dflash_drafter(target, rng)
+    if kind == "eagle3":
+        return eagle3_drafter(target, rng)
     return simulated(target, rng, rng.randint(3, 7))
 
 
-@pytest.mark.parametrize("kind", ["draft", "block", "sim"])
+@pytest.mark.parametrize("kind", ["draft", "block", "sim", "dflash", "eagle3"])
 @pytest.mark.parametrize("seed", range(3))
 def test_device_two_level_equals_ar(kind: str, seed: int) -> None:
     rng = random.Random(f"{kind}/{seed}")
@@ -114,6 +120,12 @@ def test_a_perfect_cheap_level_repairs_every_block(ext: int) -> None:
         for r in res:
             short = sum(r.stats.accept_hist[: 1 + ext])  # cycles that accepted less than 1 + ext
             assert short <= 1, f"{inner.name}: {r.stats.accept_hist}"
+    # a perfect inner drafter too (the target drafting itself): whole blocks, k + 1 + ext each,
+    # so the inner drafter's own cache follows the extra committed tokens
+    drafter = DeviceTwoLevelDrafter(DraftModelDrafter(target, k=3), target, ext)
+    res = generate(Engine(target, drafter), prompts, 40)
+    assert tokens(res) == want
+    assert all(sum(r.stats.accept_hist[: 4 + ext]) <= 1 for r in res)
 
 
 # ---------------------------------------------------------------- the cheap cache stays right
@@ -247,6 +259,13 @@ def test_cuda_device_two_level_equals_ar(graphs: bool, kind: str) -> None:
 
 
 # ---------------------------------------------------------------- dispatch
+def test_a_wrapped_draft_model_refeeds_what_the_wrapper_commits_past_its_drafts() -> None:
+    inner = DraftModelDrafter(tiny_model(tiny_config(), 1), k=3)
+    assert inner.refeed == 2
+    DeviceTwoLevelDrafter(inner, tiny_model(tiny_config(), 0), 2)  # commits up to 3 + 1 + 2 + 1
+    assert inner.refeed == 5  # d_3, the cheap token, two extension tokens and the bonus
+
+
 def test_wrap_picks_the_device_path_for_graph_safe_drafters() -> None:
     cfg = tiny_config(vocab=97)
     target, other = tiny_model(cfg, 0), tiny_model(cfg, 100)

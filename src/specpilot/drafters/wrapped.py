@@ -30,6 +30,9 @@ class WrappedDrafter:
         self.name = name
         self.k = k
         self.hidden_layers = inner.hidden_layers
+        follow = getattr(inner, "follow_commits", None)
+        if follow is not None and k > inner.k:  # a cycle may commit more than inner.k + 1
+            follow(k + 1)
 
     def bind(self, rows: DraftRows) -> None:
         self.inner.bind(rows)
