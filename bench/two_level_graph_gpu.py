@@ -252,6 +252,16 @@ def table(out: dict[str, Any]) -> str:
         "profile          arm        |   tau | pred tau | tok/s (lo-hi)        | x one-level "
         "(lo-hi)     | pred x | ok",
     ]
+    comp = out.get("components_s", {})
+    if comp:
+        lines.insert(
+            1,
+            "components, ms (median lo-hi): "
+            + "  ".join(
+                f"{n} {1e3 * v['median']:.3f} ({1e3 * v['lo']:.3f}-{1e3 * v['hi']:.3f})"
+                for n, v in comp.items()
+            ),
+        )
     for p in out.get("profiles", []):
         if "error" in p:
             lines.append(f"  {p.get('profile', '?')}: ERROR {p['error']}")

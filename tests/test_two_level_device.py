@@ -309,6 +309,18 @@ def test_registered_for_graph_safe_drafters_and_screened_by_the_cost_model() -> 
     skipped = skipped_mechanisms(config("tau=3,block=8"), "cuda", "llama")
     assert any(s.startswith("two-level: the cost model predicts") for s in skipped)
     assert not any(s.startswith("two-level") for s in skipped_mechanisms(config(None), "cuda", ""))
+    # the mechanism's apply hands a graph-safe drafter (here under simulated acceptance) to the
+    # device wrapper, knobs as given
+    import types
+
+    target = tiny_model(tiny_config(vocab=97), 0)
+    build = types.SimpleNamespace(
+        target=types.SimpleNamespace(model=target), drafter=simulated(target, random.Random(0), 6)
+    )
+    knobs = mech.resolve_knobs({"variant": "correct-extend", "max_extension": 3})
+    mech.apply(build, knobs)  # type: ignore[arg-type]
+    assert isinstance(build.drafter, DeviceTwoLevelDrafter)
+    assert build.drafter.k == 5 + 1 + 3 and build.drafter.graph_safe
 
 
 # ---------------------------------------------------------------- interpreter (subprocess)

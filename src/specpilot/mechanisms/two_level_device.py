@@ -49,7 +49,8 @@ from specpilot.models.transformer import Transformer
 COUNTS = ("rows", "drafted", "kept", "replaced", "forwards")
 """Device counters (``DeviceTwoLevelDrafter.counts``), summed over row-cycles of active rows:
 row-cycles, inner drafted tokens, drafted tokens the cheap model agreed with, row-cycles where it
-replaced a drafted token; ``forwards`` counts cheap forwards over the batch (every cycle)."""
+replaced a drafted token; ``forwards`` counts cheap forwards over the batch (every cycle). On CUDA
+graphs they also count the runner's warm-up call of each captured key (one cycle per key)."""
 
 
 def two_level_k(inner: Drafter, max_extension: int) -> int:
