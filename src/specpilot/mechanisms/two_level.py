@@ -201,7 +201,9 @@ MECHANISM = Mechanism(
         "The INT8 copy only rewrites the drafted block (keeps the prefix it agrees with, replaces "
         "the first disagreement by its own greedy token, optionally extends); the exact target then "
         "verifies the block with the unchanged chain verify, so it has the final word on every "
-        "committed token. The cheap model has its own KV cache, rolled back to the common prefix."
+        "committed token. The cheap model has its own KV cache: rolled back to the common "
+        "prefix (host drafters), or kept at the target's slots and re-fed from C - 2 each cycle "
+        "(graph-safe drafters)."
     ),
     apply=_apply,
     knobs=(
