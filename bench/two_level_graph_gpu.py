@@ -23,8 +23,10 @@ cheap tokens); each two-level arm shares one INT8 copy of the target.
    bonus included), tok/s, ms per cycle, ratio to AR and to one-level per round (median,
    spread); the cheap level's counters (drafted tokens kept, replaced).
 4. **prediction** (``two_level_cost.predict``) beside each two-level arm, from the one-level
-   arm's measured survival and phase times (one profiled run), the measured agreement and the
-   component times of part 2: predicted τ and speedup over one-level.
+   arm's measured survival (all its runs) and phase times (one extra profiled run: draft, and
+   verify + accept + host per cycle), the measured agreement and the component times of part 2
+   (cheap block and step; the verify's growth from width k + 1 to the two-level width): the
+   predicted τ and speedup over one-level.
 
 JSON goes to ``DIR/two_level_graph_gpu.json`` after each profile; a short table is printed last.
 Every figure is ``simulated acceptance`` on random weights: label it so.
@@ -193,6 +195,8 @@ def profile_section(
     one = engines["one-level"]
     one.profile, before = True, one.times.to_dict()
     prof_stats = stats_of(run_prompts(one, encoded, n_new, ()))
+    for sample in meas.samples["one-level"]:  # the survival over every one-level run
+        prof_stats.merge(stats_of(sample))
     one.profile = False
     after = one.times.to_dict()
     cycles = max(after["cycles"] - before["cycles"], 1.0)
