@@ -31,6 +31,7 @@ from specpilot.mechanisms.fp8_copy import fp8_model
 from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
 from specpilot.mechanisms.int8_copy import cheap_model
 from specpilot.mechanisms.two_level import TwoLevelDrafter
+from specpilot.mechanisms.two_level_device import DeviceTwoLevelDrafter
 from specpilot.models.dflash import DFlashNet, spec_for_target
 from specpilot.models.eagle3 import Eagle3Net
 from specpilot.models.eagle3 import spec_for_target as eagle3_spec
@@ -277,6 +278,25 @@ CASES: dict[str, Case] = {
         lambda t, o, r: (
             TwoLevelDrafter(DraftModelDrafter(o, k=3), cheap_model(t), 1),
             PackedPlan(),
+        )
+    ),
+    # two-level correction inside the captured draft step (graph-safe inner drafters)
+    "two-level-dev(draft)/chain": _case(
+        lambda t, o, r: (
+            DeviceTwoLevelDrafter(DraftModelDrafter(o, k=r.randint(1, 5)), cheap_model(t), 0),
+            None,
+        )
+    ),
+    "two-level-dev(block)/chain+row-block-len": _case(
+        lambda t, o, r: (
+            DeviceTwoLevelDrafter(block_drafter(t, r.randint(2, 7)), cheap_model(t), 2),
+            ChainPlan(RowBlockLength(r.uniform(0.2, 0.7))),
+        )
+    ),
+    "two-level-dev(sim)/packed": _case(
+        lambda t, o, r: (
+            DeviceTwoLevelDrafter(simulated(t, r, 6, heterogeneous=True), cheap_model(t), 1),
+            PackedPlan(None, 4),
         )
     ),
     "fp8-prefilter(ngram)/chain": _case(lambda t, o, r: (_prefilter(t, _ngram(r), r), None)),

@@ -91,3 +91,28 @@ def test_l2_prefetch_gpu_script_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     runs = [v for k, v in saved["e2e"].items() if k not in ("shape", "assumptions")]
     assert runs and all(r["tokens_equal"] for r in runs)
     assert all(arm["issued"] > 0 for r in runs for arm in r["arms"].values())
+
+
+def test_two_level_graph_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """Every arm equals AR (warm-up and timed runs), the cheap level corrects (τ per exact verify
+    rises by the replacement, more with the extension) and each two-level arm has a prediction."""
+    import importlib.util as iu
+
+    path = ROOT / "bench" / "two_level_graph_gpu.py"
+    spec = iu.spec_from_file_location("two_level_graph_gpu", path)
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "1", "--new-tokens", "24"])
+    saved = json.loads((tmp_path / "two_level_graph_gpu.json").read_text())
+    assert saved["agreement"] > 0.9  # the INT8 copy of the peaked target agrees with it
+    assert len(saved["profiles"]) == 2 and not [p for p in saved["profiles"] if "error" in p]
+    for prof in saved["profiles"]:
+        arms = prof["arms"]
+        assert set(arms) == {"ar", "one-level", "correct", "extend"}
+        assert all(a["tokens_equal_ar"] and a["warmup_tokens_equal_ar"] for a in arms.values())
+        assert arms["one-level"]["tau"] < arms["correct"]["tau"] < arms["extend"]["tau"]
+        for name in ("correct", "extend"):
+            assert arms[name]["predicted"]["tau_two"] > arms["one-level"]["tau"]
+            assert arms[name]["cheap_counts"]["rows"] > 0
+    assert "simulated acceptance" in saved["label"]

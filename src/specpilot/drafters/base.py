@@ -6,7 +6,7 @@ tokens and their count per row), and the engine's verify decides. Two kinds, one
 * a **device** drafter (draft model, block drafter, simulated acceptance) reads the row state
   and the target's hidden states on the device and writes its drafts with graph-safe ops only
   (``graph_safe = True``): its ``propose`` is captured once per attention bucket and replayed;
-* a **host** drafter (n-gram lookup, two-level correction) reads ``rows.contexts`` (prompt plus
+* a **host** drafter (n-gram lookup, two-level correction of one) reads ``rows.contexts`` (prompt plus
   committed tokens per row) on the host, and hands its drafts over with ``rows.write_drafts``
   (``graph_safe = False``: it runs eagerly between the graph replays). It returns the draft
   lengths it wrote, so that the verify can be as narrow as the longest draft.

@@ -4,14 +4,16 @@ Its KV cache mirrors each row's committed sequence at the same slots as the targ
 re-feeds the row's last two committed tokens (positions C-2, C-1; rewriting an entry with the
 same token at the same position changes nothing but rounding), so that whatever was accepted —
 including a last draft it never fed — is in its cache, then drafts greedily: one forward of
-width 2, then k - 1 forwards of width 1, all graph-safe (captured as one step). For static trees
+width 2, then k - 1 forwards of width 1, all graph-safe (captured as one step). Under a wrapper
+whose cycles commit more than k + 1 tokens (two-level: a cheap replacement and extension after
+the drafts) it re-feeds that many more (``follow_commits``; slots clamped at 0). For static trees
 it also gives the top-R tokens of every draft position (``draft_candidates``), taken along its
 greedy chain.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -34,6 +36,27 @@ def check_draft_model(model: Transformer, k: int, target_vocab_size: int | None)
         )
 
 
+Feed = Callable[[int, Tensor, Tensor, int], None]
+"""``feed(row, tokens [1, T], start [1], attn_len)``: a model's K/V of one row's tokens."""
+
+
+def refeed_committed(
+    rows: DraftRows, which: Sequence[int], since: Sequence[int], feed: Feed
+) -> None:
+    """Rows ``which`` committed by AR from ``since`` on: ``feed`` each one's committed tokens at
+    slots ``since - 2 .. C - 3`` (a cache kept like the draft model's holds the slots below
+    ``since - 2``, and every cycle re-feeds ``C - 2`` and ``C - 1`` itself)."""
+    st = rows.state
+    lens = rows.committed_lens()
+    for row, s in zip(which, since, strict=True):
+        lo, hi = max(s - 2, 0), lens[row] - 2
+        if hi <= lo:
+            continue
+        tokens = st.tokens[row : row + 1, lo:hi]  # [1, T]
+        start = torch.tensor([lo], dtype=torch.int64, device=st.tokens.device)
+        feed(row, tokens, start, rows.bucket(hi))
+
+
 class DraftModelDrafter:
     name = "draft-model"
     hidden_layers: tuple[int, ...] = ()
@@ -47,6 +70,14 @@ class DraftModelDrafter:
         self.k = k
         self.fwd = Forward(model)
         self.cache: KVCache | None = None
+        self.refeed = 2
+        """Last committed tokens re-fed each cycle (slots C - refeed .. C - 1)."""
+
+    def follow_commits(self, most: int) -> None:
+        """A wrapper may commit up to ``most`` tokens per cycle (k + 1 without one: the drafts
+        and the bonus). Every committed token after the last draft this drafter fed (``d_{k-1}``)
+        must be re-fed: ``most - k + 1`` of them."""
+        self.refeed = max(2, most - self.k + 1)
 
     def bind(self, rows: DraftRows) -> None:
         st = rows.state
@@ -71,15 +102,9 @@ class DraftModelDrafter:
         """Rows that committed by AR from ``since`` on: feed the draft model the tokens it missed
         (its cache holds slots below ``since - 2``; a cycle feeds the last two itself), one
         eager forward per row (drafting resumes rarely)."""
-        st = rows.state
-        lens = rows.committed_lens()
-        for row, s in zip(which, since, strict=True):
-            lo, hi = max(s - 2, 0), lens[row] - 2
-            if hi <= lo:
-                continue
-            tokens = st.tokens[row : row + 1, lo:hi]  # [1, T]
-            start = torch.tensor([lo], dtype=torch.int64, device=st.tokens.device)
-            self.prefill(rows, row, tokens, start, rows.bucket(hi), None)
+        refeed_committed(
+            rows, which, since, lambda row, t, s, n: self.prefill(rows, row, t, s, n, None)
+        )
 
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:
         return rows.bucket(max_committed + self.k)
@@ -95,10 +120,12 @@ class DraftModelDrafter:
     def _draft(self, rows: DraftRows, attn_len: int, out: Tensor | None) -> None:
         st, cache, fwd = rows.state, self.cache, self.fwd
         assert cache is not None
-        b, dev = st.batch_size, st.tokens.device
-        start = st.committed_len - 2  # [B]
-        last_two = st.tokens.gather(1, start[:, None] + torch.arange(2, device=dev))  # [B, 2]
-        x = fwd.dense(last_two, cache, start, attn_len).view(b, 2, -1)[:, 1]  # [B, H]
+        b, dev, r = st.batch_size, st.tokens.device, self.refeed
+        start = (st.committed_len - r).clamp(min=0)  # [B]
+        last = st.tokens.gather(1, start[:, None] + torch.arange(r, device=dev))  # [B, r]
+        x = fwd.dense(last, cache, start, attn_len).view(b, r, -1)
+        pend = (st.committed_len - 1 - start)[:, None, None].expand(b, 1, x.shape[2])
+        x = x.gather(1, pend).squeeze(1)  # [B, H]: the pending token's row (r - 1 unless clamped)
         for i in range(self.k):
             logits = fwd.logits(x)  # [B, V]
             if out is not None:
@@ -106,7 +133,7 @@ class DraftModelDrafter:
             tok = logits.argmax(dim=-1)  # [B]
             st.drafts[:, i].copy_(tok)
             if i + 1 < self.k:
-                x = fwd.dense(tok[:, None], cache, start + 2 + i, attn_len)  # [B, H]
+                x = fwd.dense(tok[:, None], cache, st.committed_len + i, attn_len)  # [B, H]
         st.draft_lens.fill_(self.k)
 
     def observe(self, rows: DraftRows, committed: Sequence[tuple[int, int, list[int]]]) -> None:

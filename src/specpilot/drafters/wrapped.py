@@ -5,7 +5,9 @@ A mechanism that corrects, extends or cuts drafts (``mechanisms/two_level.py``,
 usual (on the device or the host), the wrapper reads the drafts back and writes its own. Whatever
 a wrapper writes is only a proposal: the exact verify still commits nothing but the target's
 argmax, so a wrapper changes speed, never a committed token. Wrappers run eagerly (they decide on
-the host), between the graph replays of the verify and accept steps.
+the host), between the graph replays of the verify and accept steps; a wrapper that reworks the
+drafts on the device instead (``mechanisms/two_level_device.py``) sets ``graph_safe`` and is
+captured with the inner drafter's step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class WrappedDrafter:
         self.name = name
         self.k = k
         self.hidden_layers = inner.hidden_layers
+        follow = getattr(inner, "follow_commits", None)
+        if follow is not None and k > inner.k:  # a cycle may commit more than inner.k + 1
+            follow(k + 1)
 
     def bind(self, rows: DraftRows) -> None:
         self.inner.bind(rows)

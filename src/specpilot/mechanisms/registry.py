@@ -3,7 +3,8 @@ compose it without knowing it by name.
 
 A mechanism plugs into one declared point of the engine (``PLUG_POINTS``), attacks one cost-model
 component (``COMPONENTS``), applies only where it is known to be lossless and worthwhile
-(``Applicability``), exposes knobs with ranges (``Knob``), and states in words why it cannot change
+(``Applicability``; an optional cost-model ``screen`` can rule out deployments it applies to but
+cannot win on), exposes knobs with ranges (``Knob``), and states in words why it cannot change
 a committed token (``lossless``). ``apply`` receives the engine being built and the knob values.
 """
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
+    from specpilot.engine.config import EngineConfig
 
 COMPONENTS = (
     "embedding",
@@ -110,6 +112,12 @@ class Mechanism:
     """Per device type, knob settings (the rest at their defaults) the tuner tries right after
     the defaults: points a measurement on that device found better than the defaults, so that a
     short search reaches them (e.g. the 48-node tree on the H200)."""
+    screen: Callable[[EngineConfig], str | None] | None = None
+    """The cost model's verdict on a deployment it applies to: a reason not to try it there (it
+    cannot win), or None (try it). None: always try it."""
+
+    def screened_out(self, config: EngineConfig) -> str | None:
+        return None if self.screen is None else self.screen(config)
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:

@@ -1,5 +1,9 @@
 """Two-level verification: an INT8 copy of the target corrects the draft before the exact verify.
 
+This module is the host variant (for host drafters: n-gram) and the mechanism; ``wrap`` hands a
+graph-safe drafter to the device variant (``two_level_device``: the same block rule inside the
+captured draft step, the cheap KV cache at the target's slots).
+
 Variant built (*correct*, optionally *extend*), per row and cycle:
 
 1. the inner drafter (n-gram, draft model, ...) proposes ``d_1..d_k``;
@@ -47,10 +51,12 @@ from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.cheap_scorer import CheapScorer, idle_safe
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.two_level_device import DeviceTwoLevelDrafter, two_level_k
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
+    from specpilot.engine.config import EngineConfig
 
 VARIANTS = ("correct", "correct-extend")
 
@@ -92,9 +98,7 @@ class TwoLevelDrafter(WrappedDrafter):
     """Wraps any :class:`Drafter`: its proposals are corrected (and extended) by a cheap model."""
 
     def __init__(self, inner: Drafter, cheap: Transformer, max_extension: int = 0) -> None:
-        if max_extension < 0:
-            raise ValueError(f"max_extension must be at least 0, got {max_extension}")
-        super().__init__(inner, f"{inner.name}+two-level", inner.k + 1 + max_extension)
+        super().__init__(inner, f"{inner.name}+two-level", two_level_k(inner, max_extension))
         self.cheap = cheap
         self.scorer = CheapScorer(cheap)
         self.max_extension = max_extension
@@ -141,15 +145,25 @@ class TwoLevelDrafter(WrappedDrafter):
         st.appended += 1
 
 
+DEVICE_MAX_M = 256
+"""Rows per call up to which the device variant's cheap copy reads INT8 (its block forward has
+``batch * (k + 2)`` rows; the host variant's default of 64 would send a batch of 8 at block 8
+to the exact weights). Longer prompt segments still prefill with the exact weights."""
+
+
 def wrap(
     drafter: Drafter, target: Transformer, variant: str, max_extension: int
-) -> TwoLevelDrafter:
-    """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors)."""
+) -> TwoLevelDrafter | DeviceTwoLevelDrafter:
+    """``drafter`` corrected by an INT8 copy of ``target`` (built here, sharing its tensors):
+    inside the captured draft step for a graph-safe drafter (``two_level_device``), on the
+    host otherwise."""
     from specpilot.mechanisms.int8_copy import cheap_model
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     extension = max_extension if variant == "correct-extend" else 0
+    if drafter.graph_safe:
+        return DeviceTwoLevelDrafter(drafter, cheap_model(target, DEVICE_MAX_M), extension)
     return TwoLevelDrafter(drafter, cheap_model(target), extension)
 
 
@@ -161,6 +175,24 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     )
 
 
+GRAPH_SAFE_DRAFTERS = ("draft-model", "block", "dflash", "dflash2", "eagle3")
+"""Drafters whose proposal is device work: corrected inside the captured draft step."""
+
+
+def _screen(config: EngineConfig) -> str | None:
+    """The cost model's verdict where the acceptance is known in advance (a simulated profile,
+    with the mechanism's knobs as the tuner starts them); None otherwise: the trial measures."""
+    from specpilot.drafters.simulated import AcceptanceProfile
+    from specpilot.mechanisms.two_level_cost import screen
+
+    text = config.deployment.simulate_acceptance
+    if text is None:
+        return None
+    knobs = config.mechanisms.get("two-level", {})
+    ext = int(knobs.get("max_extension", 4)) if knobs.get("variant") == "correct-extend" else 0
+    return screen(AcceptanceProfile.parse(text).survival(), ext)
+
+
 MECHANISM = Mechanism(
     name="two-level",
     component="verify",
@@ -169,7 +201,9 @@ MECHANISM = Mechanism(
         "The INT8 copy only rewrites the drafted block (keeps the prefix it agrees with, replaces "
         "the first disagreement by its own greedy token, optionally extends); the exact target then "
         "verifies the block with the unchanged chain verify, so it has the final word on every "
-        "committed token. The cheap model has its own KV cache, rolled back to the common prefix."
+        "committed token. The cheap model has its own KV cache: rolled back to the common "
+        "prefix (host drafters), or kept at the target's slots and re-fed from C - 2 each cycle "
+        "(graph-safe drafters)."
     ),
     apply=_apply,
     knobs=(
@@ -190,15 +224,26 @@ MECHANISM = Mechanism(
         ),
     ),
     # Memory-bound verify (cuda, bf16) is where the cheap level is ~half an exact verify; on the
-    # CPU the reference dequantizes per call and costs more than the exact forward. Eager drafters
-    # only. It still loses where the drafter already agrees with the target (one-level tau above
-    # ~2 for ``correct``): two_level_cost.predict says so per deployment. H200 (docs/BENCHMARKS.md,
-    # third session): SmolLM2 real acceptance doubles tau per exact verify on mt-bench (0.79-1.08x
-    # one-level speed, within noise) and loses on copy-heavy (0.34-0.44x), as predicted.
+    # CPU the reference dequantizes per call and costs more than the exact forward. Host drafters
+    # (n-gram) through the host wrapper, graph-safe ones (draft model, block / DFlash, EAGLE-3)
+    # inside the captured draft step (two_level_device). It still loses where the drafter already
+    # agrees with the target (one-level tau above ~2 for ``correct``): the screen asks
+    # two_level_cost under a simulated profile; with real acceptance the tuner's trial measures.
+    # H200 (docs/BENCHMARKS.md, third session, host variant): SmolLM2 real acceptance doubles tau
+    # per exact verify on mt-bench (0.79-1.08x one-level speed, within noise) and loses on
+    # copy-heavy (0.34-0.44x), as predicted. The device variant is not measured yet.
     applies=Applicability(
-        devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=("ngram", "draft-model")
+        devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=(*GRAPH_SAFE_DRAFTERS, "ngram")
     ),
     summary="INT8 copy of the target corrects (and extends) each draft before the exact verify",
+    screen=_screen,
 )
 
-__all__ = ["MECHANISM", "VARIANTS", "TwoLevelDrafter", "TwoLevelStats", "wrap"]
+__all__ = [
+    "GRAPH_SAFE_DRAFTERS",
+    "MECHANISM",
+    "VARIANTS",
+    "TwoLevelDrafter",
+    "TwoLevelStats",
+    "wrap",
+]

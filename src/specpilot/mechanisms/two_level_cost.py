@@ -86,4 +86,42 @@ def predict(
     )
 
 
-__all__ = ["TwoLevelPrediction", "committed_two_level", "predict"]
+CHEAP_FRACTION = 0.5
+"""Assumed time of a cheap forward (the block, or one extension token) over an exact verify where
+the verify is memory-bound and flat in its width: the INT8 copy reads half the weight bytes of
+bf16. ``bench/two_level_graph_gpu.py`` measures both on the H200."""
+AGREEMENT = 0.99
+"""Assumed per-token agreement of the INT8 copy with its bf16 target (the bench measures it)."""
+
+
+def screen(
+    survival: Sequence[float],
+    extension: int = 0,
+    cheap_fraction: float = CHEAP_FRACTION,
+    agreement: float = AGREEMENT,
+    draft_fraction: float = 0.0,
+) -> str | None:
+    """The tuner's verdict from an acceptance profile: None when two-level is predicted to beat
+    one-level on a memory-bound verify (the exact verify costs 1 at either width, a cheap forward
+    ``cheap_fraction``, the drafter ``draft_fraction``; 0 is the case least kind to two-level),
+    else the reason. Roughly it pays while one-level τ < 1 / cheap_fraction (τ 2 at 0.5)."""
+    c = cheap_fraction
+    p = predict(survival, agreement, extension, draft_fraction, 1.0, 1.0, c, c)
+    if p.speedup > 1.0:
+        return None
+    return (
+        f"the cost model predicts {p.speedup:.2f}x one-level at one-level tau {p.tau_one:.2f} "
+        f"(tau {p.tau_two:.2f} per exact verify for a cycle {p.cycle_two_s / p.cycle_one_s:.2f}x "
+        f"as long, a cheap forward taken as {c:g} of a memory-bound exact verify): the drafter "
+        f"is already too good for the cheap level to pay (it pays below tau ~{1 / c:.1f})"
+    )
+
+
+__all__ = [
+    "AGREEMENT",
+    "CHEAP_FRACTION",
+    "TwoLevelPrediction",
+    "committed_two_level",
+    "predict",
+    "screen",
+]

@@ -91,13 +91,17 @@ GATED_DRAFTERS = ("ngram", "draft-model")
 
 def skipped_mechanisms(base: EngineConfig, device: str, arch: str) -> list[str]:
     """Every registered mechanism this tune does not search, each with the reason (it does not
-    apply to this deployment's device, dtype, drafter, mode or architecture)."""
+    apply to this deployment's device, dtype, drafter, mode or architecture, or its cost-model
+    screen says it cannot win here)."""
     dep = base.deployment
     drafter = dep.drafter if dep.drafter else "none"
     out = []
     for name, mech in sorted(MECHANISMS.items()):
         a = mech.applies
         if a.allows(device, dep.dtype, drafter, dep.mode, arch):
+            why_not = mech.screened_out(base)
+            if why_not is not None:
+                out.append(f"{name}: {why_not}")
             continue
         why = [
             f"{what} {value} (it applies to {', '.join(allowed)})"
@@ -143,7 +147,8 @@ def directions_for(
     ``num_layers``, an n-gram deployment without a draft model also gets the early-exit draft
     model (the same-tokenizer drafter that is always on hand) as a direction. In batched mode the
     scheduler's segment size is a direction too. Every mechanism that applies to the deployment
-    is searched (``skipped_mechanisms`` lists the others and why). Under simulated acceptance
+    is searched unless its cost-model screen rules it out (``skipped_mechanisms`` lists the
+    others and why). Under simulated acceptance
     the profile fixes the draft length and the drafter's acceptance, so only mechanisms and the
     segment size are searched."""
     dep = base.deployment
@@ -231,7 +236,8 @@ def directions_for(
             )
         )
     for name, mech in sorted(MECHANISMS.items()):
-        if mech.applies.allows(device, dep.dtype, dep.drafter, dep.mode, arch):
+        allowed = mech.applies.allows(device, dep.dtype, dep.drafter, dep.mode, arch)
+        if allowed and mech.screened_out(base) is None:
             out.append(_mechanism_direction(name, device))
     return out
 
