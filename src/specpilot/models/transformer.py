@@ -103,6 +103,11 @@ class Transformer(nn.Module):
         # Plug point "lm_head_argmax": final-normed hidden [B, R, hidden] -> token ids [B, R].
         # It must return exactly the argmax of ``forward``'s logits (lowest id on ties).
         self.argmax_head: Callable[[Tensor], Tensor] | None = None
+        # Plug point "kernel_choice": (q [B, H_kv, G*W, D], k_cache, v_cache, DenseLayout) ->
+        # attention output [B*W, H*D] in forward-row order, for dense layouts that carry their
+        # lengths (``Forward.attend``; e.g. mechanisms/decode_attn.py). The stock forward never
+        # uses it.
+        self.dense_attention: Callable[[Tensor, Tensor, Tensor, DenseLayout], Tensor] | None = None
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings, dev)
         self.rope_cos: Tensor = cos  # [P, D] float32 (plain attributes: never saved or cast)
         self.rope_sin: Tensor = sin
