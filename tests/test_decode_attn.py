@@ -5,6 +5,7 @@ entry and the cost model. The CUDA test (skipped here) runs it from graphs in fp
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import types
@@ -20,7 +21,7 @@ from specpilot.costmodel.gaps import mechanisms_for
 from specpilot.drafters import NgramDrafter
 from specpilot.engine import Engine, generate
 from specpilot.errors import SpecPilotError
-from specpilot.kernels.decode_attn_plan import MAX_SPLITS, DecodeAttnConfig, split_plan
+from specpilot.kernels.decode_attn_plan import MAX_ROWS, MAX_SPLITS, DecodeAttnConfig, split_plan
 from specpilot.kernels.reference import decode_attention_ref
 from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.decode_attn import SplitKVAttention, install, uninstall
@@ -168,6 +169,25 @@ def _packed_and_custom_masks_keep_sdpa(engine: Engine, attn: SplitKVAttention) -
     dense = DenseLayout.build(start, w, s, g, q.dtype)
     want = decode_attention_ref(q, k, v, start, w, s)
     assert (fwd.attend(q, k, v, dense) - want).abs().max() < 1e-5 and attn.calls == calls + 1
+    wide = MAX_ROWS // g + 1  # a prefill chunk: more query rows than a program holds
+    q = torch.randn(b, hkv, g * wide, d, generator=gen)
+    k, v = torch.randn(2, b, hkv, wide + 9, d, generator=gen)
+    lay = DenseLayout.build(start, wide, wide + 9, g, q.dtype)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
+    assert torch.equal(fwd.attend(q, k, v, lay), lay.gather(sdpa)) and attn.calls == calls + 1
+
+
+def test_gpu_bench_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """``bench/decode_attn_gpu.py --tiny`` end to end under the interpreter: every section runs
+    and the correctness section passes (the GPU numbers come from the H200 run)."""
+    script = str(Path(__file__).resolve().parents[1] / "bench" / "decode_attn_gpu.py")
+    printed = run_interpreted([script, "--tiny", "--out", str(tmp_path), "--rounds", "1"], 200)
+    out = json.loads((tmp_path / "decode_attn_gpu.json").read_text())
+    sec = out["sections"]
+    assert not [name for name, v in sec.items() if isinstance(v, dict) and "error" in v]
+    assert sec["correctness"]["all_ok"] and sec["correctness"]["graph_ok"]
+    assert sec["timing"]["rows"] and sec["e2e"]["contexts"]["24"]["ar_tokens_equal"]
+    assert "correctness: all ok True" in printed
 
 
 # ---------------------------------------------------------------------- plain CPU

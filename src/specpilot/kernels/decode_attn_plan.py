@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 MAX_SPLITS = 64
 """Upper bound on key splits per (sequence, KV head): bounds the partials one program merges."""
+MAX_ROWS = 64
+"""Most query rows ``G*W`` per program (the decode and verify widths; a prefill chunk is wider
+and keeps SDPA, which is compute-bound there anyway)."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,6 +79,7 @@ def valid_splits(end: int, split_len: int) -> int:
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "MAX_ROWS",
     "MAX_SPLITS",
     "DecodeAttnConfig",
     "block_d",

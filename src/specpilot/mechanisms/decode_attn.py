@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from specpilot.errors import SpecPilotError
+from specpilot.kernels.decode_attn_plan import MAX_ROWS
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
@@ -65,13 +66,18 @@ class SplitKVAttention:
             buf = self._counters[key] = counter_buffer(n, 1, device)
         return buf
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lay: DenseLayout) -> Tensor:
-        """``q [B, H_kv, G*W, D]`` over ``[B, H_kv, S, D]`` caches → ``[B*W, H*D]``."""
+    def __call__(
+        self, q: Tensor, k_cache: Tensor, v_cache: Tensor, lay: DenseLayout
+    ) -> Tensor | None:
+        """``q [B, H_kv, G*W, D]`` over ``[B, H_kv, S, D]`` caches → ``[B*W, H*D]``; None for a
+        block wider than ``MAX_ROWS`` query rows (a prefill chunk: SDPA)."""
         from specpilot.kernels.decode_attn import decode_attention
 
         assert lay.start is not None
-        b, hkv = q.shape[:2]
-        self.calls += 1
+        b, hkv, rows = q.shape[:3]
+        if rows > MAX_ROWS:
+            return None
+        self.calls += 1  # launches only
         return decode_attention(
             q, k_cache, v_cache, lay.start, lay.width, lay.attn_len,
             self.counters(q.device, b * hkv), lay.causal, self.cfg,

@@ -215,10 +215,13 @@ class Forward(Generic[NetT]):
     ) -> Tensor:  # [M, H*D] in forward-row order
         """Attention over the cache: the model's ``dense_attention`` kernel (plug point
         ``kernel_choice``) on the Triton path for a dense layout that carries its lengths;
-        SDPA under the layout's mask and ``lay.gather`` otherwise (the stock path always)."""
+        SDPA under the layout's mask and ``lay.gather`` otherwise (the stock path always, and
+        any layout the kernel declines by returning None)."""
         fn = getattr(self.model, "dense_attention", None) if self._k is not None else None
         if fn is not None and isinstance(lay, DenseLayout) and lay.start is not None:
-            return fn(q, k_cache, v_cache, lay)
+            out = fn(q, k_cache, v_cache, lay)
+            if out is not None:
+                return out
         attn = F.scaled_dot_product_attention(
             q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
         )  # [B, H_kv, G*W, D]
