@@ -28,12 +28,9 @@ JSON to DIR/decode_attn_gpu.json (rewritten after each section); a short table i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,17 +38,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specpilot.bench.decode_attn import run_e2e, spread, table
+from specpilot.bench.decode_attn import run_e2e, table
 from specpilot.bench.gpu_ceilings import copy_bandwidth
-from specpilot.bench.records import git_rev
-from specpilot.costmodel.measure import capture_graph
+from specpilot.bench.script import BenchScript
 from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
 from specpilot.kernels.reference import decode_attention_ref
 from specpilot.mechanisms.decode_attn import SplitKVAttention
 from specpilot.mechanisms.decode_attn_cost import predict
 from specpilot.models.layout import DenseLayout
 from specpilot.synthetic import TARGET_SHAPES
-from specpilot.timing import time_burst
+from specpilot.timing import interleaved_rounds, spread
 
 BUCKET = 128
 ROTATE_BYTES = 256 << 20
@@ -85,37 +81,18 @@ def bucket(n: int) -> int:
     return -(-n // BUCKET) * BUCKET
 
 
-class Bench:
+class Bench(BenchScript):
     def __init__(self, args: argparse.Namespace) -> None:
+        shape = "tiny-llama" if args.tiny else "llama3-8b"
+        dev = torch.device("cpu" if args.tiny else "cuda")
+        super().__init__(dev, args.out, "decode_attn_gpu.json", args.budget_s, shape=shape)
         self.args, self.tiny = args, args.tiny
-        self.dev = torch.device("cpu" if args.tiny else "cuda")
-        self.cuda = self.dev.type == "cuda"
         cfg = TARGET_SHAPES["tiny-llama" if self.tiny else "llama3-8b"]
         self.cfg = cfg
         self.hkv, self.g, self.d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         self.lengths = [40] if self.tiny else [int(x) for x in args.lengths.split(",")]
         self.widths = [1, 3] if self.tiny else [int(x) for x in args.widths.split(",")]
         self.rounds = args.rounds or (2 if self.tiny else 12)
-        self.t0 = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.out: dict[str, Any] = {
-            "device": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu (interpreter)",
-            "git": git_rev(),
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "shape": "tiny-llama" if self.tiny else "llama3-8b",
-            "sections": {},
-        }
-
-    def left(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
-    def save(self) -> None:
-        self.args.out.mkdir(parents=True, exist_ok=True)
-        (self.args.out / "decode_attn_gpu.json").write_text(json.dumps(self.out, indent=1))
-
-    def graph(self, fn: Callable[[], None]) -> Callable[[], None]:
-        return capture_graph(fn, self.dev, self.pool) if self.cuda else fn
 
     def qkv(self, b: int, w: int, s: int, seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
         g = torch.Generator(device=self.dev).manual_seed(seed)
@@ -125,15 +102,7 @@ class Bench:
 
     def time_rounds(self, fns: dict[str, Callable[[], None]], per: int) -> dict[str, list[float]]:
         """Seconds per call (``per`` calls per fn) of each fn, per interleaved round."""
-        names = list(fns)
-        for fn in fns.values():
-            fn()
-        got: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(self.rounds):
-            shift = r % len(names)
-            for n in names[shift:] + names[:shift]:
-                got[n].append(time_burst(fns[n], self.dev, 1 if self.tiny else 3) / per)
-        return got
+        return interleaved_rounds(fns, self.dev, self.rounds, per, 1 if self.tiny else 3)
 
     # ------------------------------------------------------------------ 0. checks
     def checks(self) -> dict[str, Any]:
@@ -302,19 +271,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("No CUDA device; use --tiny (with TRITON_INTERPRET=1) on the CPU.")
     b = Bench(args)
-    sec = b.out["sections"]
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                sec[name] = fn()
-        except Exception as e:  # a failing section is reported, the others still run
-            sec[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-            print(sec[name]["trace"], file=sys.stderr)
-        b.out.setdefault("section_s", {})[name] = time.perf_counter() - t
-        b.save()
-        return sec[name]
+        with torch.inference_mode():
+            return b.section(name, fn)
 
     checks = section("checks", b.checks)
     bw = checks.get("copy_bandwidth_Bps", 4.25e12)

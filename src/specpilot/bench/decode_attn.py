@@ -14,33 +14,20 @@ equal in fp32; in bf16 a difference is a kernel-rounding near-tie, reported, not
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from specpilot.bench.gpu_suite import _verify_engine
+from specpilot.bench.gpu_suite import _prefix_agree, _verify_engine
 from specpilot.engine import Engine, generate
 from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
 from specpilot.mechanisms.decode_attn import install, uninstall
 from specpilot.mechanisms.decode_attn_cost import ASSUMPTIONS, predict
 from specpilot.synthetic import build_target
+from specpilot.timing import spread
 
 NAME = "split-kv"
-
-
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "lo": min(xs), "hi": max(xs), "n": len(xs)}
-
-
-def _same_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def run_e2e(
@@ -91,7 +78,7 @@ def run_e2e(
         row: dict[str, Any] = {
             "ar_tokens": len(ar_off),
             "ar_tokens_equal": ar_off == ar_on,
-            "ar_same_prefix": _same_prefix(ar_off, ar_on),
+            "ar_same_prefix": _prefix_agree(ar_off, ar_on),
             "widths": {},
         }
         for w in widths:
@@ -177,4 +164,4 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["NAME", "run_e2e", "spread", "table"]
+__all__ = ["NAME", "run_e2e", "table"]
