@@ -62,7 +62,7 @@ VARIANTS_W1 = {
     "w8": DecodeAttnConfig(num_warps=8),
 }
 """Knob settings timed at W = 1 (each one is expressible by the mechanism's knobs)."""
-VARIANTS_WIDE = ("auto", "kps256", "kps512", "w8")
+VARIANTS_WIDE = ("auto", "kps128", "kps256", "kps512", "w8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,7 +27,7 @@ class DecodeAttnConfig:
 
     keys_per_split: int = 0
     """Keys per split (rounded up to ``block_n``); 0 picks enough splits to give every SM about
-    two programs, but no fewer than ``8 * G * W`` keys per split (a split's fp32 partial is
+    two programs, but no fewer than ``4 * G * W`` keys per split (a split's fp32 partial is
     ``G*W*D*4`` bytes, written and read once, against ``L*D*4`` bytes of bf16 K and V)."""
     block_n: int = 64
     """Keys per inner step (power of two, >= 16)."""
@@ -66,7 +66,7 @@ def split_plan(
         per = cdiv(cfg.keys_per_split, bn)
     else:
         want = max(1, cdiv(2 * num_sms, batch * kv_heads))
-        per = max(cdiv(tiles, want), cdiv(8 * rows, bn))
+        per = max(cdiv(tiles, want), cdiv(4 * rows, bn))
     per = max(per, cdiv(tiles, MAX_SPLITS))
     split_len = per * bn
     return cdiv(max(attn_len, 1), split_len), split_len

@@ -13,7 +13,8 @@ the measured SDPA time.
 
 Plug point ``kernel_choice``: ``install`` sets ``Transformer.dense_attention``; ``Forward.attend``
 uses it on the Triton path for every ``DenseLayout`` built by ``DenseLayout.build`` (AR steps,
-chain verify, draft models and block drafters over the target; causal or not). Packed (ragged,
+chain verify, draft models and block drafters over the target; causal or not) of at most
+``MAX_ROWS`` query rows per sequence (a wider prefill chunk is declined: SDPA). Packed (ragged,
 tree) layouts and layouts with a mask of their own keep SDPA, and the stock forward that token
 forcing trusts (torch reference ops) never uses the kernel. Knobs: ``keys_per_split`` (0: about
 two programs per SM), ``block_n`` (keys per inner step), ``warps``.
