@@ -56,13 +56,13 @@ VARIANTS_W1 = {
     "kps128": DecodeAttnConfig(keys_per_split=128),
     "kps256": DecodeAttnConfig(keys_per_split=256),
     "kps512": DecodeAttnConfig(keys_per_split=512),
-    "bn32": DecodeAttnConfig(block_n=32),
-    "bn128": DecodeAttnConfig(block_n=128),
+    "bn64": DecodeAttnConfig(block_n=64),
+    "bn64w8": DecodeAttnConfig(block_n=64, num_warps=8),
     "w2": DecodeAttnConfig(num_warps=2),
     "w8": DecodeAttnConfig(num_warps=8),
 }
 """Knob settings timed at W = 1 (each one is expressible by the mechanism's knobs)."""
-VARIANTS_WIDE = ("auto", "kps128", "kps256", "kps512", "w8")
+VARIANTS_WIDE = ("auto", "kps128", "kps256", "kps512", "w8", "bn64w8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -50,7 +50,7 @@ def test_split_plan_covers_the_bucket(attn_len: int, rows: int) -> None:
 def test_split_plan_fills_the_gpu_at_batch_one() -> None:
     cfg = DecodeAttnConfig()
     assert split_plan(4096, 1, 8, 4, cfg, 132) == (32, 128)  # 256 programs for 132 SMs
-    assert split_plan(384, 1, 8, 4, cfg, 132) == (6, 64)
+    assert split_plan(384, 1, 8, 4, cfg, 132) == (12, 32)
     assert split_plan(4096, 16, 8, 4, cfg, 132)[0] == 3  # 16 sequences: 384 programs
     with pytest.raises(ValueError, match="block_n"):
         DecodeAttnConfig(block_n=48)
@@ -116,6 +116,8 @@ def _group_kernel() -> None:
         (2, 1, 2, 5, 24, [7, 3], 256, True, f32, 0, 32),  # bucket far past every length, D = 24
         (2, 2, 2, 3, 32, [5, 90], 100, True, bf16, 32, 16),
         (1, 2, 4, 1, 16, [200], 256, True, bf16, 0, 16),
+        (1, 1, 4, 1, 128, [700], 768, True, f32, 16, 16),  # 44 splits: 6 merge loads
+        (1, 1, 4, 16, 128, [300], 384, True, bf16, 64, 16),  # 64 rows: one split per load
     ]
     for case in cases:
         _case(rng, *case)  # type: ignore[arg-type]
@@ -138,7 +140,8 @@ def test_kernel_compiles_for_hopper() -> None:
     names = list(inspect.signature(_decode_attn_kernel.fn).parameters)
     for elt, w, dot_f32 in (("bf16", 1, False), ("fp32", 16, True)):
         consts = dict(W=w, G=4, D=128, CAUSAL=True, BLOCK_M=max(16, 4 * w), BLOCK_N=64,
-                      BLOCK_D=128, DOT_F32=dot_f32, OUT_BF16=elt == "bf16", INTERPRET=False)  # fmt: skip
+                      BLOCK_D=128, RM=4 * w, SC=max(1, 8 // w), DOT_F32=dot_f32,
+                      OUT_BF16=elt == "bf16", INTERPRET=False)  # fmt: skip
         ptrs = {n: f"*{elt}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
         ptrs |= {"start_ptr": "*i64", "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
@@ -248,7 +251,7 @@ def test_registry_entry_and_tuner_direction() -> None:
     assert mech.component == "attn_kv" and mech.plug_point == "kernel_choice"
     assert mech.applies.allows("cuda", "bf16", "none", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "single", "llama")
-    assert mech.resolve_knobs({"warps": 8}) == {"keys_per_split": 0, "block_n": 64, "warps": 8}
+    assert mech.resolve_knobs({"warps": 8}) == {"keys_per_split": 0, "block_n": 32, "warps": 8}
     with pytest.raises(ValueError, match="block_n"):
         mech.resolve_knobs({"block_n": 48})
     refs = {r.name: r.status for r in mechanisms_for("attn_kv")}
@@ -276,7 +279,7 @@ def test_cost_model() -> None:
     p = predict(cfg, [300], 1, 384, bw, launch, sms)
     assert p.split_kv.launches == 1 and p.sdpa.launches == 2 and not p.sdpa_measured
     assert p.split_kv.bytes >= 301 * kv_row and p.sdpa.bytes >= 384 * kv_row
-    assert p.split_kv.programs == 8 * 5 and p.sdpa.programs == 8  # 5 splits of 64 keys do work
+    assert p.split_kv.programs == 8 * 10 and p.sdpa.programs == 8  # 10 splits of 32 keys work
     assert p.saved_s > 0 and p.speedup(4.9e-3) > 1
     # a longer bucket costs SDPA and not the kernel (it reads only the true length)
     longer = predict(cfg, [300], 1, 1024, bw, launch, sms)

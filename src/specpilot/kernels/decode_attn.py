@@ -16,9 +16,9 @@ bucket reads every key up to the bucket and, at one query block per KV head, run
 * **Splits combined in one launch**: each split writes its unnormalized fp32 partial ``acc`` and
   its row statistics ``(m, l)``; an arrival counter per ``(b, h)`` (``acq_rel`` atomic, as the
   split-K of ``w12_gemm``) elects the last of the row's ``n_valid = cdiv(end, L)`` splits, which
-  merges the partials **in split order** (deterministic whatever the arrival order), writes the
-  output and re-arms the counter (graph-safe, no memset). A row with one valid split writes
-  directly.
+  merges the partials **in a fixed order** (chunks of ``SC`` splits per load, rescaled online:
+  deterministic whatever the arrival order), writes the output and re-arms the counter
+  (graph-safe, no memset). A row with one valid split writes directly.
 * **Output directly as** ``[B*W, H*D]``: row ``b*W + j``, column ``(h*G + g)*D + d`` — the
   layout ``Forward`` feeds to ``w_o``, so the transpose copy of ``DenseLayout.gather`` is gone.
 
@@ -51,6 +51,8 @@ from specpilot.kernels.decode_attn_plan import (
 from specpilot.kernels.w12_gemm import _f32_to_bf16
 
 LOG2E = 1.4426950408889634
+MERGE_ELEMS = 4096
+"""fp32 partial elements the merging program loads at once (16 KB of registers per CTA)."""
 
 
 def num_sms(device: torch.device) -> int:
@@ -66,33 +68,50 @@ def counter_buffer(batch: int, kv_heads: int, device: torch.device) -> Tensor:  
 
 @triton.jit
 def _merge_splits(
-    part_ptr, stat_ptr, pair, n_splits, n_valid, offs_m, offs_d, m_ok,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_ptr, stat_ptr, pair, n_splits, n_valid,
+    ROWS: tl.constexpr, RM: tl.constexpr, BLOCK_D: tl.constexpr, SC: tl.constexpr,
 ):  # fmt: skip
-    """Merge the fp32 partials of splits ``0..n_valid-1`` of ``(b, h)`` in split order (padding
-    rows read as empty: ``m = -inf``, ``l = 0``)."""
-    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for t in range(0, n_valid):
-        idx = pair * n_splits + t
-        s_offs = (2 * idx) * BLOCK_M + offs_m
-        m_t = tl.load(stat_ptr + s_offs, mask=m_ok, other=float("-inf"), cache_modifier=".cg")
-        l_t = tl.load(stat_ptr + s_offs + BLOCK_M, mask=m_ok, other=0.0, cache_modifier=".cg")
-        a_t = tl.load(
-            part_ptr + idx * BLOCK_M * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :],
-            mask=m_ok[:, None],
+    """Merge the fp32 partials ``[RM, BD]`` of splits ``0..n_valid-1`` of ``(b, h)`` in a fixed
+    order, ``SC`` splits per load (so the loads of a chunk are in flight together), rescaling
+    online between chunks. Returns ``acc [RM, BD]``, ``l [RM]`` (padding rows: zeros)."""
+    offs_r = tl.arange(0, RM)
+    r_ok = offs_r < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    base = pair * n_splits
+    m_run = tl.full([RM], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([RM], dtype=tl.float32)
+    acc = tl.zeros([RM, BLOCK_D], dtype=tl.float32)
+    for c in range(0, n_valid, SC):
+        s_c = c + tl.arange(0, SC)  # [SC]
+        ok = (s_c < n_valid)[:, None] & r_ok[None, :]  # [SC, RM]
+        st_offs = (2 * (base + s_c))[:, None] * RM + offs_r[None, :]
+        m_c = tl.load(stat_ptr + st_offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(stat_ptr + st_offs + RM, mask=ok, other=0.0, cache_modifier=".cg")
+        a_offs = ((base + s_c)[:, None, None] * RM + offs_r[None, :, None]) * BLOCK_D
+        a = tl.load(
+            part_ptr + a_offs + offs_d[None, None, :],
+            mask=ok[:, :, None],
             other=0.0,
             cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m_tot, m_t)
+        )  # [SC, RM, BD]
+        m_new = tl.maximum(m_run, tl.max(m_c, 0))  # [RM]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        c_old = tl.exp2(m_tot - m_safe)
-        c_t = tl.exp2(m_t - m_safe)
-        l_tot = l_tot * c_old + l_t * c_t
-        acc = acc * c_old[:, None] + a_t * c_t[:, None]
-        m_tot = m_new
-    return acc, l_tot
+        alpha = tl.exp2(m_run - m_safe)
+        w_c = tl.exp2(m_c - m_safe[None, :])  # [SC, RM] weight of each split's partial
+        l_run = l_run * alpha + tl.sum(l_c * w_c, 0)
+        acc = acc * alpha[:, None] + tl.sum(a * w_c[:, :, None], 0)
+        m_run = m_new
+    return acc, l_run
+
+
+@triton.jit
+def _out_offsets(rows, b, h, stride_out, W: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_D: tl.constexpr):  # fmt: skip
+    """Where block rows ``g*W + j`` go in ``out [B*W, H*D]``: row ``b*W + j``, columns from
+    ``(h*G + g)*D``; and their mask (real rows, real columns)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    o_offs = (b * W + rows % W)[:, None] * stride_out + ((h * G + rows // W) * D)[:, None]
+    return o_offs + offs_d[None, :], (rows < G * W)[:, None] & (offs_d < D)[None, :]
 
 
 @triton.jit
@@ -113,6 +132,7 @@ def _decode_attn_kernel(
     attn_len, split_len, n_splits, qk_scale,
     W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    RM: tl.constexpr, SC: tl.constexpr,
     DOT_F32: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
@@ -127,9 +147,8 @@ def _decode_attn_kernel(
         offs_d = tl.arange(0, BLOCK_D)  # [BD]
         m_ok = offs_m < G * W
         d_ok = offs_d < D
-        j = offs_m % W
-        if CAUSAL:
-            limit = tl.minimum(start + j + 1, attn_len)  # [BM] row j sees keys < limit
+        if CAUSAL:  # [BM] row g*W + j sees keys < limit
+            limit = tl.minimum(start + offs_m % W + 1, attn_len)
         else:
             limit = tl.zeros([BLOCK_M], dtype=tl.int32) + end
         q = tl.load(
@@ -169,28 +188,26 @@ def _decode_attn_kernel(
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        g = offs_m // W
-        o_offs = (b * W + j)[:, None] * stride_out + ((h * G + g) * D)[:, None] + offs_d[None, :]
-        o_mask = m_ok[:, None] & d_ok[None, :]
         n_valid = tl.cdiv(end, split_len)
         if n_valid == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_offs, o_mask = _out_offsets(offs_m, b, h, stride_out, W, G, D, BLOCK_D)
             _store_out(out_ptr, o, o_offs, o_mask, OUT_BF16, INTERPRET)
-        else:
+        else:  # partials of the G*W real rows: [pairs * n_splits, RM, BD] and [.., 2, RM]
             pair = b * tl.num_programs(1) + h
             idx = pair * n_splits + s
-            p_offs = idx * BLOCK_M * BLOCK_D + offs_m[:, None] * BLOCK_D + offs_d[None, :]
-            tl.store(part_ptr + p_offs, acc, mask=m_ok[:, None])  # the G*W real rows only
-            tl.store(stat_ptr + (2 * idx) * BLOCK_M + offs_m, m_i, mask=m_ok)
-            tl.store(stat_ptr + (2 * idx + 1) * BLOCK_M + offs_m, l_i, mask=m_ok)
+            p_offs = (idx * RM + offs_m[:, None]) * BLOCK_D + offs_d[None, :]
+            tl.store(part_ptr + p_offs, acc, mask=m_ok[:, None])
+            tl.store(stat_ptr + (2 * idx) * RM + offs_m, m_i, mask=m_ok)
+            tl.store(stat_ptr + (2 * idx + 1) * RM + offs_m, l_i, mask=m_ok)
             tl.debug_barrier()  # every thread's partial is stored before the release
             arrived = tl.atomic_add(count_ptr + pair, 1, sem="acq_rel")
-            if arrived == n_valid - 1:  # the row's last split: merge in split order
+            if arrived == n_valid - 1:  # the row's last split merges them all
                 acc_t, l_t = _merge_splits(
-                    part_ptr, stat_ptr, pair, n_splits, n_valid, offs_m, offs_d, m_ok,
-                    BLOCK_M, BLOCK_D,
-                )  # fmt: skip
+                    part_ptr, stat_ptr, pair, n_splits, n_valid, G * W, RM, BLOCK_D, SC
+                )
                 o = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
+                o_offs, o_mask = _out_offsets(tl.arange(0, RM), b, h, stride_out, W, G, D, BLOCK_D)
                 _store_out(out_ptr, o, o_offs, o_mask, OUT_BF16, INTERPRET)
                 tl.atomic_xchg(count_ptr + pair, 0)
 
@@ -224,9 +241,11 @@ def decode_attention(
     bm, bd = block_m(rows), block_d(d)
     splits, split_len = split_plan(attn_len, b, hkv, rows, cfg, num_sms(q.device))
     out = torch.empty(b * width, hkv * rows // width * d, dtype=q.dtype, device=q.device)
+    rm = max(2, triton.next_power_of_2(rows))  # partial rows kept per split
+    sc = max(1, min(triton.next_power_of_2(splits), MERGE_ELEMS // (rm * bd)))  # per merge load
     if splits > 1:
-        part = torch.empty(b * hkv * splits, bm, bd, dtype=torch.float32, device=q.device)
-        stat = torch.empty(b * hkv * splits, 2, bm, dtype=torch.float32, device=q.device)
+        part = torch.empty(b * hkv * splits, rm, bd, dtype=torch.float32, device=q.device)
+        stat = torch.empty(b * hkv * splits, 2, rm, dtype=torch.float32, device=q.device)
     else:  # never written: one split stores the output directly
         part = stat = counters.view(torch.float32)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -238,6 +257,7 @@ def decode_attention(
         start.stride(0), out.stride(0),
         attn_len, split_len, splits, LOG2E / math.sqrt(d),
         W=width, G=g, D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+        RM=rm, SC=sc,
         DOT_F32=interpret or q.dtype == torch.float32, OUT_BF16=q.dtype == torch.bfloat16,
         INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -24,7 +24,7 @@ Why it is lossless: every query row sees exactly the keys the layout's mask lets
 in fp32 with another summation order (and ``p`` rounded once to bf16 before ``p·v`` in bf16
 models, as SDPA's flash kernels do). The verify argmax is still the target's own up to kernel
 rounding: zero difference expected in fp32 (``ieee`` dot, no TF32), counted as near-ties by token
-forcing in bf16. The splits are merged in split order, so results are deterministic.
+forcing in bf16. The splits are merged in a fixed order, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class SplitKVAttention:
 
 
 def install(
-    model: Transformer, keys_per_split: int = 0, block_n: int = 64, warps: int = 4
+    model: Transformer, keys_per_split: int = 0, block_n: int = 32, warps: int = 4
 ) -> SplitKVAttention:
     """Put the split-KV kernel in ``model.dense_attention``; returns it (``uninstall`` undoes)."""
     from specpilot.kernels import triton_usable
@@ -141,7 +141,7 @@ MECHANISM = Mechanism(
             choices=(0, 64, 128, 256, 512, 1024),
             doc="keys per split (0: enough splits for about two programs per SM)",
         ),
-        Knob("block_n", 64, choices=(32, 64, 128), doc="keys per inner step of a program"),
+        Knob("block_n", 32, choices=(16, 32, 64, 128), doc="keys per inner step of a program"),
         Knob("warps", 4, choices=(2, 4, 8), doc="warps per program"),
     ),
     applies=Applicability(devices=("cuda",)),
