@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import run_interpreted, tiny_config, tiny_model
-from engine_cases import repetitive_prompt, tokens
+from engine_cases import check_cuda_drafter_equals_ar, repetitive_prompt, tokens
 from specpilot.costmodel.gaps import mechanisms_for
 from specpilot.drafters import NgramDrafter
 from specpilot.engine import Engine, generate
@@ -317,6 +317,8 @@ def test_cuda_graphs_with_split_kv() -> None:
         engine = Engine(target, NgramDrafter(k=4))
         assert tokens(generate(engine, prompts, 40)) == ar, dtype
         assert engine.runner.captures > 0
+        if dtype == torch.float32:  # eager vs graphs, and the scheduler, with the kernel
+            check_cuda_drafter_equals_ar(target, NgramDrafter(k=4), graphs=True)
         uninstall(target)
 
 
