@@ -242,7 +242,7 @@ def decode_attention(
     splits, split_len = split_plan(attn_len, b, hkv, rows, cfg, num_sms(q.device))
     out = torch.empty(b * width, hkv * rows // width * d, dtype=q.dtype, device=q.device)
     rm = max(2, triton.next_power_of_2(rows))  # partial rows kept per split
-    sc = max(1, min(triton.next_power_of_2(splits), MERGE_ELEMS // (rm * bd)))  # per merge load
+    sc = max(1, MERGE_ELEMS // (rm * bd))  # splits per merge load (per shape: one compile)
     if splits > 1:
         part = torch.empty(b * hkv * splits, rm, bd, dtype=torch.float32, device=q.device)
         stat = torch.empty(b * hkv * splits, 2, rm, dtype=torch.float32, device=q.device)
