@@ -25,11 +25,7 @@ JSON to DIR/l2_prefetch_gpu.json (rewritten after each section); a short table i
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,13 +36,12 @@ import torch.nn.functional as F
 
 from specpilot.bench.gpu_ceilings import copy_bandwidth
 from specpilot.bench.l2_prefetch import table
-from specpilot.bench.records import git_rev
-from specpilot.costmodel.measure import capture_graph
+from specpilot.bench.script import BenchScript
 from specpilot.kernels import reference
 from specpilot.kernels.l2_prefetch import PrefetchSpec, launch_mode, prefetch_l2
 from specpilot.mechanisms.l2_prefetch import L2Prefetch, MiB, PhasePrefetch
 from specpilot.mechanisms.l2_prefetch_cost import saved_time
-from specpilot.timing import time_burst
+from specpilot.timing import interleaved_rounds, spread
 
 ROTATE_BYTES = 320 << 20
 PAIRS = {"attention->o": ("attention", 4096, 4096), "norm->gate_up": ("norm", 28672, 4096),
@@ -95,10 +90,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def spread(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "lo": min(xs), "hi": max(xs), "n": len(xs)}
-
-
 def variants(tiny: bool, mibs: list[float]) -> list[Variant]:
     unit = 1024 if tiny else MiB
     out = [Variant(0)]
@@ -113,42 +104,15 @@ def variants(tiny: bool, mibs: list[float]) -> list[Variant]:
     return out
 
 
-class Bench:
+class Bench(BenchScript):
     def __init__(self, args: argparse.Namespace) -> None:
+        dev = torch.device("cpu" if args.tiny else "cuda")
+        super().__init__(
+            dev, args.out, "l2_prefetch_gpu.json", args.budget_s, launch_mode=launch_mode(dev)
+        )
         self.args, self.tiny = args, args.tiny
-        self.dev = torch.device("cpu" if args.tiny else "cuda")
-        self.cuda = self.dev.type == "cuda"
         self.dtype = torch.float32 if self.tiny else torch.bfloat16
         self.rounds = args.rounds or (3 if self.tiny else 15)
-        self.t0 = time.perf_counter()
-        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.graphs: list[Callable[[], None]] = []  # keeps the pool's graphs alive (``graph``)
-        self.out: dict[str, Any] = {
-            "device": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
-            "git": git_rev(),
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "launch_mode": launch_mode(self.dev),
-            "sections": {},
-        }
-
-    def left(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
-    def save(self) -> None:
-        self.args.out.mkdir(parents=True, exist_ok=True)
-        (self.args.out / "l2_prefetch_gpu.json").write_text(json.dumps(self.out, indent=1))
-
-    def graph(self, fn: Callable[[], None]) -> Callable[[], None]:
-        """``fn`` captured into the run's one pool. Every graph is kept alive for the whole run:
-        once the last graph of a pool is freed, torch releases the pool, and a later capture into
-        the same handle trips the caching allocator's ``use_count > 0`` assert (what broke the
-        first H200 run of this script between the checks and the efficacy section)."""
-        if not self.cuda:
-            return fn
-        replay = capture_graph(fn, self.dev, self.pool)
-        self.graphs.append(replay)
-        return replay
 
     def rand(self, *shape: int, seed: int = 0) -> torch.Tensor:
         g = torch.Generator(device=self.dev).manual_seed(seed)
@@ -156,15 +120,7 @@ class Bench:
 
     def time_rounds(self, fns: dict[str, Callable[[], None]], per: int) -> dict[str, list[float]]:
         """Seconds per segment (``per`` segments per call) of each fn, per interleaved round."""
-        names = list(fns)
-        for fn in fns.values():
-            fn()
-        got: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(self.rounds):
-            shift = r % len(names)
-            for n in names[shift:] + names[:shift]:
-                got[n].append(time_burst(fns[n], self.dev, 3) / per)
-        return got
+        return interleaved_rounds(fns, self.dev, self.rounds, per)
 
     def sleep(self) -> None:
         if self.cuda:
@@ -378,19 +334,7 @@ def pick_best(micro: dict[str, Any], tiny: bool, mibs: list[float]) -> dict[str,
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     b = Bench(args)
-    sec = b.out["sections"]
-
-    def section(name: str, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
-        try:
-            sec[name] = fn()
-        except Exception as e:  # a failing section is reported, the others still run
-            sec[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-            print(sec[name]["trace"], file=sys.stderr)
-        b.out.setdefault("section_s", {})[name] = time.perf_counter() - t
-        b.save()
-        return sec[name]
-
+    sec, section = b.out["sections"], b.section
     checks = section("checks", b.checks)
     bw = checks.get("copy_bandwidth_Bps", 4.25e12)
     launch_s = checks.get("launch_s", 2e-6)

@@ -6,6 +6,7 @@ CUDA work is timed with events (no host clock over asynchronous launches); anyth
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -46,3 +47,29 @@ def time_call(
         fn()
     runs = sorted(time_burst(fn, device, iters, clock) for _ in range(3))
     return runs[1]
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """Median and min-max of a list of samples (what the bench scripts report)."""
+    return {"median": statistics.median(xs), "lo": min(xs), "hi": max(xs), "n": len(xs)}
+
+
+def interleaved_rounds(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    rounds: int,
+    per: int = 1,
+    iters: int = 3,
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn (``per`` calls per fn call) in ``rounds`` interleaved rounds:
+    every fn is warmed up once, then each round times one burst of ``iters`` of every fn, the
+    order rotated by one per round so that drift hits every fn alike."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    got: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            got[n].append(time_burst(fns[n], device, iters) / per)
+    return got

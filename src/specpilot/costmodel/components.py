@@ -11,7 +11,8 @@ rounded up to the attention bucket (an additive mask) when replayed from CUDA gr
 * ``embedding`` — the token gather;
 * ``attn_proj`` — input norm, QKV GEMM (+ bias), RoPE (+ q/k norm) with the K/V write and the
   query placement, O GEMM with the residual;
-* ``attn_kv`` — attention over the cache (masked SDPA) and the read-back of its rows;
+* ``attn_kv`` — attention over the cache as ``Forward.attend`` runs it (masked SDPA and the
+  read-back of its rows, or the model's ``dense_attention`` kernel, e.g. split-KV);
 * ``mlp`` — post-attention norm, gate/up GEMM, SiLU·mul, down GEMM with the residual;
 * ``lm_head`` — final norm and LM head (with an ``argmax_head`` installed: that head, which
   includes the argmax, and no separate ``argmax``);
@@ -30,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specpilot.models.forward import Forward
@@ -125,12 +125,9 @@ def forward_pieces(
             fwd.linear_residual(x, attn_rows, layer, "w_o")
         return None
 
-    def attn_kv() -> object:
+    def attn_kv() -> object:  # what the layer body runs: SDPA + gather, or a plugged kernel
         for kc, vc in zip(cache.k, cache.v, strict=True):
-            attn = F.scaled_dot_product_attention(
-                q_block, kc[:, :, :attn_len], vc[:, :, :attn_len], attn_mask=lay.mask
-            )  # [1, H_kv, G*T, D]
-            lay.gather(attn)
+            fwd.attend(q_block, kc, vc, lay)  # [M, H*D]
         return None
 
     def mlp() -> object:

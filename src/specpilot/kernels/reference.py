@@ -36,3 +36,25 @@ def silu_mul_ref(gate_up: Tensor) -> Tensor:
     """``gate_up [M, 2I]`` (gate first) → ``silu(gate) * up`` ``[M, I]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def decode_attention_ref(
+    q: Tensor,  # [B, H_kv, G*W, D] (row g*W + j)
+    k_cache: Tensor,  # [B, H_kv, S, D]
+    v_cache: Tensor,
+    start: Tensor,  # [B] int64: the block's first slot per sequence
+    width: int,  # W
+    attn_len: int,
+    causal: bool = True,
+) -> Tensor:  # [B*W, H*D] in forward-row order
+    """``kernels/decode_attn.decode_attention`` through SDPA under ``models/layout.block_mask``,
+    reordered as ``DenseLayout.gather`` does (what the layer body runs without the kernel)."""
+    from specpilot.models.layout import block_mask  # models import this module
+
+    b, hkv, rows, d = q.shape
+    g = rows // width
+    mask = block_mask(start, width, attn_len, g, q.dtype, causal)
+    attn = F.scaled_dot_product_attention(
+        q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len], attn_mask=mask
+    )  # [B, H_kv, G*W, D]
+    return attn.view(b, hkv, g, width, d).permute(0, 3, 1, 2, 4).reshape(b * width, -1)

@@ -7,6 +7,7 @@ the tuple below. Nothing else in the engine names it.
 from __future__ import annotations
 
 from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
+from specpilot.mechanisms.decode_attn import MECHANISM as SPLIT_KV
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
 from specpilot.mechanisms.l2_prefetch import MECHANISM as L2_PREFETCH
@@ -37,6 +38,7 @@ _ALL: tuple[Mechanism, ...] = (
     RAGGED_TREES,
     FP8_PREFILTER,
     L2_PREFETCH,
+    SPLIT_KV,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

@@ -17,9 +17,11 @@ Two ways to run the small ops, numerically the stock ones up to rounding:
 
 Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12),
 ``DecoderLayer.phase_hooks`` (work launched before a step of the layer body that changes no value,
-e.g. the L2 prefetch of ``mechanisms/l2_prefetch.py``; the steps are ``PHASE_POINTS``) and
-``Transformer.argmax_head`` (the LM-head argmax). On the CPU a one-row product uses the
-layer's ``[in, out]`` copy when the model keeps one (``Transformer.add_gemv_copies``).
+e.g. the L2 prefetch of ``mechanisms/l2_prefetch.py``; the steps are ``PHASE_POINTS``),
+``Transformer.argmax_head`` (the LM-head argmax) and ``Transformer.dense_attention`` (attention
+for dense layouts, e.g. ``mechanisms/decode_attn.py``; Triton path only). On the CPU a one-row
+product uses the layer's ``[in, out]`` copy when the model keeps one
+(``Transformer.add_gemv_copies``).
 """
 
 from __future__ import annotations
@@ -204,6 +206,27 @@ class Forward(Generic[NetT]):
         q = self._rope(qkv[:, :q_cols].reshape(m, q_heads, d), cos, sin, layer.q_norm)
         return lay.place_q(q, hkv)
 
+    def attend(
+        self,
+        q: Tensor,  # [B, H_kv, G*W, D]
+        k_cache: Tensor,  # [B, H_kv, S, D]
+        v_cache: Tensor,
+        lay: Layout,
+    ) -> Tensor:  # [M, H*D] in forward-row order
+        """Attention over the cache: the model's ``dense_attention`` kernel (plug point
+        ``kernel_choice``) on the Triton path for a dense layout that carries its lengths;
+        SDPA under the layout's mask and ``lay.gather`` otherwise (the stock path always, and
+        any layout the kernel declines by returning None)."""
+        fn = getattr(self.model, "dense_attention", None) if self._k is not None else None
+        if fn is not None and isinstance(lay, DenseLayout) and lay.start is not None:
+            out = fn(q, k_cache, v_cache, lay)
+            if out is not None:
+                return out
+        attn = F.scaled_dot_product_attention(
+            q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
+        )  # [B, H_kv, G*W, D]
+        return lay.gather(attn)
+
     # ------------------------------------------------------------------ the layer body
     def layer(
         self,
@@ -231,14 +254,12 @@ class Forward(Generic[NetT]):
         qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         at("attention")
         q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
-        attn = F.scaled_dot_product_attention(
-            q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
-        )  # [B, H_kv, G*W, D]
+        attn = self.attend(q, k_cache, v_cache, lay)  # [M, H*D]
         at("w_o")
         if conv_a is None:
-            x = self.linear_residual(x, lay.gather(attn), layer, "w_o")
+            x = self.linear_residual(x, attn, layer, "w_o")
         else:
-            x = x + conv_a.finish(self.linear(layer, "w_o", lay.gather(attn)), dyn_a, rows)
+            x = x + conv_a.finish(self.linear(layer, "w_o", attn), dyn_a, rows)
         at("post_attn_norm")
         hn = self.norm(x, layer.post_attn_norm)
         if conv_m is not None:

@@ -73,6 +73,11 @@ class DenseLayout:
     block: int = 0
     """Rows per independent draft block within a sequence's ``T`` rows, for the block mixes of
     DFlash2 layers (a trainer packs many blocks per sequence); 0: the whole ``T``."""
+    start: Tensor | None = None
+    """[B] int64 first new slot per sequence when ``mask`` is exactly ``block_mask(start, T,
+    attn_len, ..., causal)`` (``build``), so that an attention kernel may read the lengths
+    instead of the mask (``Forward.attend``); None: a mask of the caller's own."""
+    causal: bool = True
     _cos_sin: tuple[Tensor, Tensor] | None = field(default=None, repr=False)
 
     @classmethod
@@ -96,8 +101,11 @@ class DenseLayout:
         mask = None if exact and t == 1 else block_mask(start, t, attn_len, groups, dtype, causal)
         write_start = host_start if b == 1 else None
         if positions is None:
-            return cls(b, t, attn_len, slots, mask, write_start)
-        return cls(b, t, attn_len, positions.reshape(b * t), mask, write_start, slots)
+            return cls(b, t, attn_len, slots, mask, write_start, start=start, causal=causal)
+        return cls(
+            b, t, attn_len, positions.reshape(b * t), mask, write_start, slots,
+            start=start, causal=causal,
+        )  # fmt: skip
 
     @classmethod
     def writes(cls, start: Tensor, t: int) -> DenseLayout:

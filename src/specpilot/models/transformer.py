@@ -23,6 +23,8 @@ from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
 
+DenseAttention = Callable[[Tensor, Tensor, Tensor, DenseLayout], Tensor | None]
+
 GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 """The matrices of a layer that also get an ``[in, out]`` copy on the CPU (add_gemv_copies)."""
 
@@ -103,6 +105,11 @@ class Transformer(nn.Module):
         # Plug point "lm_head_argmax": final-normed hidden [B, R, hidden] -> token ids [B, R].
         # It must return exactly the argmax of ``forward``'s logits (lowest id on ties).
         self.argmax_head: Callable[[Tensor], Tensor] | None = None
+        # Plug point "kernel_choice": (q [B, H_kv, G*W, D], k_cache, v_cache, DenseLayout) ->
+        # attention output [B*W, H*D] in forward-row order, or None to leave that layout to SDPA,
+        # for dense layouts that carry their lengths (``Forward.attend``; e.g.
+        # mechanisms/decode_attn.py). The stock forward never uses it.
+        self.dense_attention: DenseAttention | None = None
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings, dev)
         self.rope_cos: Tensor = cos  # [P, D] float32 (plain attributes: never saved or cast)
         self.rope_sin: Tensor = sin
