@@ -50,6 +50,8 @@ from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, W12Tensor
 _ESC_ROWS = tl.constexpr(ESC_ROWS)
 MAX_ROWS = 4
 """Most activation rows one GEMV launch takes (each row costs one FMA per weight)."""
+PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+"""What the bf16 GEMV does to ``x`` as it reads it (``kernels/fused_gemv.py``)."""
 
 
 @triton.jit
@@ -66,10 +68,65 @@ def _split_words(w):
 
 
 @triton.jit
-def _fma8(acc, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb):
-    """``acc [BN, W] += Σ_i w_i * x_i`` for the 8 columns of a word pair (x: int64 words)."""
-    x0, x1, x2, x3 = _split_words(xa)
-    x4, x5, x6, x7 = _split_words(xb)
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 (ties to even), kept in fp32: what ``.to(bf16)`` and back does,
+    by integer ops (the same bits on the GPU and in the interpreter, whose cast is not RNE)."""
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _prologue4(x0, x1, x2, x3, aux, inv_rms, PROLOGUE: tl.constexpr):
+    """The 4 activations of one word after the prologue, each rounded as its unfused kernel
+    rounds. ``PROLOGUE`` 1 (RMSNorm): ``bf16(g · bf16(x · inv_rms))``, ``aux`` the norm weights'
+    word; 2 (SiLU·mul): ``bf16(bf16(silu(x)) · u)``, ``x`` the gate, ``aux`` the up half's word."""
+    a0, a1, a2, a3 = _split_words(aux)
+    if PROLOGUE == 1:
+        x0 = _round_bf16(a0 * _round_bf16(x0 * inv_rms))
+        x1 = _round_bf16(a1 * _round_bf16(x1 * inv_rms))
+        x2 = _round_bf16(a2 * _round_bf16(x2 * inv_rms))
+        x3 = _round_bf16(a3 * _round_bf16(x3 * inv_rms))
+    else:
+        x0 = _round_bf16(_round_bf16(x0 / (1.0 + tl.exp(-x0))) * a0)
+        x1 = _round_bf16(_round_bf16(x1 / (1.0 + tl.exp(-x1))) * a1)
+        x2 = _round_bf16(_round_bf16(x2 / (1.0 + tl.exp(-x2))) * a2)
+        x3 = _round_bf16(_round_bf16(x3 / (1.0 + tl.exp(-x3))) * a3)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _inv_rms(x16_ptr, stride_x16, m_rows, M, K, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """``[ROWS]`` fp32 ``rsqrt(mean(x²) + eps)`` of each row of ``x [M, K]`` bf16, as
+    ``decode_triton.rms_norm`` computes it (fp32 squares summed in ``BLOCK``-wide chunks)."""
+    ss = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    cols = tl.arange(0, BLOCK)
+    for c0 in range(0, K, BLOCK):
+        ok = (m_rows[:, None] < M) & (c0 + cols < K)[None, :]
+        x = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + c0 + cols[None, :], mask=ok, other=0.0)
+        xf = _bf16_to_f32(x)
+        ss += xf * xf
+    return tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
+
+
+@triton.jit
+def _row_step(
+    acc, w0, w1, w2, w3, w4, w5, w6, w7, x_row, lo, hi, xa_ok, xb_ok, ga, gb, up_words,
+    inv_rms, PROLOGUE: tl.constexpr,
+):  # fmt: skip
+    """One activation row's share of a K step: load its 8 words (``x_row``: int64 pointer at
+    this step), apply the prologue (``ga``, ``gb``: the norm weights' words; ``up_words``: where
+    the up half starts in a gate_up row) and ``acc [BN, W] += Σ_i w_i * x_i``."""
+    x0, x1, x2, x3 = _split_words(tl.load(x_row + lo, mask=xa_ok, other=0))
+    x4, x5, x6, x7 = _split_words(tl.load(x_row + hi, mask=xb_ok, other=0))
+    if PROLOGUE == 1:
+        x0, x1, x2, x3 = _prologue4(x0, x1, x2, x3, ga, inv_rms, PROLOGUE)
+        x4, x5, x6, x7 = _prologue4(x4, x5, x6, x7, gb, inv_rms, PROLOGUE)
+    elif PROLOGUE == 2:
+        ua = tl.load(x_row + up_words + lo, mask=xa_ok, other=0)
+        ub = tl.load(x_row + up_words + hi, mask=xb_ok, other=0)
+        x0, x1, x2, x3 = _prologue4(x0, x1, x2, x3, ua, inv_rms, PROLOGUE)
+        x4, x5, x6, x7 = _prologue4(x4, x5, x6, x7, ub, inv_rms, PROLOGUE)
     acc += w0 * x0[None, :]
     acc += w1 * x1[None, :]
     acc += w2 * x2[None, :]
@@ -153,7 +210,8 @@ def _gemv_kernel(
     off_ptr,  # [ceil(N/16) + 1] int32
     rec_ptr,  # [n_esc] int32
     val_ptr,  # [n_esc] bf16
-    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    bias_ptr,  # [N] bf16, or [M, N] with row stride stride_bm (a residual) (HAS_BIAS)
+    g64_ptr,  # [K / 4] int64 words of the RMSNorm weights (PROLOGUE == 1)
     y_ptr,  # [M, N] bf16, row stride stride_ym
     part_ptr,  # [split, M, N] fp32 (split > 1)
     count_ptr,  # [tiles] int32 (split > 1)
@@ -162,6 +220,9 @@ def _gemv_kernel(
     K,
     stride_x64,
     stride_ym,
+    stride_bm,  # 0 for a bias
+    up_words,  # PROLOGUE == 2: int64 words from a gate_up row's start to its up half (K / 4)
+    eps,  # PROLOGUE == 1
     row_words,  # weight words per row: Kp / 4 (W12) or K / 4 (bf16)
     base,
     k_split,  # columns per split, a multiple of BLOCK_K
@@ -169,6 +230,7 @@ def _gemv_kernel(
     W12: tl.constexpr,
     PTX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # 0: x as given; 1: RMSNorm(x); 2: silu(gate) * up of x = gate_up
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no masks on the weights
     ROWS: tl.constexpr,  # power of two >= M
     BLOCK_N: tl.constexpr,
@@ -202,6 +264,16 @@ def _gemv_kernel(
             stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
         )  # fmt: skip
     base4 = base * 0x01010101
+    inv0 = 0.0  # each row's 1 / RMS (PROLOGUE == 1): the whole row's statistics, read from L2
+    inv1 = 0.0
+    inv2 = 0.0
+    inv3 = 0.0
+    if PROLOGUE == 1:
+        inv = _inv_rms(x16_ptr, stride_x64 * 4, m_rows, M, K, eps, ROWS, BLOCK_K)  # [ROWS]
+        inv0 = tl.sum(tl.where(m_rows == 0, inv, 0.0))
+        inv1 = tl.sum(tl.where(m_rows == 1, inv, 0.0))
+        inv2 = tl.sum(tl.where(m_rows == 2, inv, 0.0))
+        inv3 = tl.sum(tl.where(m_rows == 3, inv, 0.0))
 
     acc0 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
@@ -223,20 +295,32 @@ def _gemv_kernel(
         xa_ok = (wofs + lo) * 4 < k_hi
         xb_ok = (wofs + hi) * 4 < k_hi
         x_row = x64_ptr + wofs
-        xa = tl.load(x_row + lo, mask=xa_ok, other=0)
-        xb = tl.load(x_row + hi, mask=xb_ok, other=0)
-        acc0 = _fma8(acc0, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+        ga = xa_ok  # the norm weights' words at this step (PROLOGUE == 1), else unused
+        gb = xb_ok
+        if PROLOGUE == 1:
+            ga = tl.load(g64_ptr + wofs + lo, mask=xa_ok, other=0)
+            gb = tl.load(g64_ptr + wofs + hi, mask=xb_ok, other=0)
+        acc0 = _row_step(
+            acc0, w0, w1, w2, w3, w4, w5, w6, w7, x_row, lo, hi, xa_ok, xb_ok, ga, gb,
+            up_words, inv0, PROLOGUE,
+        )  # fmt: skip
         if ROWS > 1:
-            xa = tl.load(x_row + stride_x64 + lo, mask=xa_ok & (jw * 0 + 1 < M), other=0)
-            xb = tl.load(x_row + stride_x64 + hi, mask=xb_ok & (jw * 0 + 1 < M), other=0)
-            acc1 = _fma8(acc1, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+            acc1 = _row_step(
+                acc1, w0, w1, w2, w3, w4, w5, w6, w7, x_row + stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 1 < M), xb_ok & (jw * 0 + 1 < M), ga, gb, up_words, inv1,
+                PROLOGUE,
+            )  # fmt: skip
         if ROWS > 2:
-            xa = tl.load(x_row + 2 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 2 < M), other=0)
-            xb = tl.load(x_row + 2 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 2 < M), other=0)
-            acc2 = _fma8(acc2, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
-            xa = tl.load(x_row + 3 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 3 < M), other=0)
-            xb = tl.load(x_row + 3 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 3 < M), other=0)
-            acc3 = _fma8(acc3, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+            acc2 = _row_step(
+                acc2, w0, w1, w2, w3, w4, w5, w6, w7, x_row + 2 * stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 2 < M), xb_ok & (jw * 0 + 2 < M), ga, gb, up_words, inv2,
+                PROLOGUE,
+            )  # fmt: skip
+            acc3 = _row_step(
+                acc3, w0, w1, w2, w3, w4, w5, w6, w7, x_row + 3 * stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 3 < M), xb_ok & (jw * 0 + 3 < M), ga, gb, up_words, inv3,
+                PROLOGUE,
+            )  # fmt: skip
 
     # [ROWS, BN]: row r of the output tile is acc_r summed over its word slots
     sel = m_rows[:, None]
@@ -259,7 +343,7 @@ def _gemv_kernel(
 
     _store_tile(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, m_rows, offs_n, m_rows < M, n_ok,
-        stride_ym, M, N, 0, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+        stride_ym, stride_bm, M, N, 0, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
     )  # fmt: skip
 
 
@@ -309,10 +393,30 @@ def _launch(
     counters: Tensor,
     cfg: GemvConfig,
     ptx: bool,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: Tensor | None = None,  # [K] bf16 (PROLOGUE_NORM)
+    eps: float = 0.0,
+    residual: Tensor | None = None,  # [M, N] bf16, added before the one rounding
 ) -> Tensor:  # [M, N] bf16
+    """``prologue``: ``PROLOGUE_NORM`` normalises ``x`` in the kernel; ``PROLOGUE_SILU`` reads
+    ``x`` as ``gate_up [M, 2K]`` and multiplies by ``silu(gate) * up`` (bf16 weights only)."""
     m, k = x.shape
+    if prologue == PROLOGUE_SILU:
+        k //= 2
     if x.dtype != torch.bfloat16:
         raise ValueError("x must be bf16")
+    if prologue != PROLOGUE_NONE and (w12 is not None or k % 4):
+        raise ValueError("a fused prologue needs bf16 weights and K % 4 == 0")
+    stride_bm = 0
+    if residual is not None:
+        if bias is not None or residual.shape != (m, n) or residual.stride(1) != 1:
+            raise ValueError("the residual is an [M, N] tensor with unit column stride, no bias")
+        bias, stride_bm = residual, residual.stride(0)
+    g64 = None
+    if prologue == PROLOGUE_NORM:
+        if norm_weight is None or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+            raise ValueError("the RMSNorm prologue needs a contiguous [K] norm weight")
+        g64 = norm_weight.view(torch.int64)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, got {m}")
     split, k_split = _split(n, k, cfg, x.device)
@@ -348,9 +452,10 @@ def _launch(
         row_words, base = k // 4, 0
     _gemv_kernel[grid](
         x64, xw, w_arg, sm32, codes32, offs, recs, vals,
-        bias if bias is not None else x, y, part, counters,
-        m, n, k, x64.stride(0), y.stride(0), row_words, base, k_split, split,
-        W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None, EVEN=even,
+        bias if bias is not None else x, g64 if g64 is not None else x64, y, part, counters,
+        m, n, k, x64.stride(0), y.stride(0), stride_bm, k // 4, eps, row_words, base, k_split,
+        split, W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None,
+        PROLOGUE=prologue, EVEN=even,
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ESC_STEP=ESC_STEP, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -385,4 +490,12 @@ def bf16_gemv(
     return _launch(x, n, w, None, bias, counters, cfg or GemvConfig(), False)
 
 
-__all__ = ["MAX_ROWS", "GemvConfig", "bf16_gemv", "w12_gemv"]
+__all__ = [
+    "MAX_ROWS",
+    "PROLOGUE_NONE",
+    "PROLOGUE_NORM",
+    "PROLOGUE_SILU",
+    "GemvConfig",
+    "bf16_gemv",
+    "w12_gemv",
+]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
+from specpilot.mechanisms.fused_gemv import MECHANISM as FUSED_GEMV
 from specpilot.mechanisms.l2_prefetch import MECHANISM as L2_PREFETCH
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
@@ -37,6 +38,7 @@ _ALL: tuple[Mechanism, ...] = (
     RAGGED_TREES,
     FP8_PREFILTER,
     L2_PREFETCH,
+    FUSED_GEMV,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

@@ -1,0 +1,246 @@
+"""Fused decode GEMVs: the prologues (RMSNorm, SiLU·mul) and the residual epilogue against the
+unfused torch composition, the engine with the mechanism (spec == AR == unfused), its registry
+entry, install checks and its cost model.
+
+Kernel checks run in a subprocess (``python tests/test_fused_gemv.py <group>``) because the
+Triton interpreter must be switched on before triton is imported.
+
+How "equal" is checked: a prologue alone is read back through an identity weight (each output is
+one exact product ``x'·1``), so it is compared value for value with the torch reference; a fused
+GEMV is compared bit for bit with the unfused bf16 GEMV applied to that prologue's output (the
+same kernel, so the same fp32 summation order), and against the torch composition (another
+summation order) within ``w12_gemm``'s bound ``2^-8 |y| + K·2^-23·Σ|x||w|``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_interpreted, tiny_config, tiny_model
+from specpilot.errors import SpecPilotError
+from specpilot.mechanisms import MECHANISMS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 ulps between two bf16 tensors of finite values (same-sign ordering)."""
+
+    def key(t: torch.Tensor) -> torch.Tensor:
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)
+
+    return (key(a) - key(b)).abs()
+
+
+def _error_ratio(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor) -> float:
+    """max |y - exact| / (half a bf16 ulp + K·2^-23·Σ|x||w|) with ``add`` the bias or residual."""
+    xd, wd = x.double(), w.double()
+    z = xd @ wd.T + add.double()
+    bound = 2.0**-8 * z.abs() + x.shape[1] * 2.0**-23 * (xd.abs() @ wd.abs().T) + 2.0**-133
+    return float(((y.double() - z).abs() / bound).max())
+
+
+# ---------------------------------------------------------------- interpreter (subprocess)
+def test_kernels_match_the_unfused_composition_in_interpreter() -> None:
+    assert "kernels ok" in run_interpreted([str(Path(__file__).resolve()), "kernels"], 180)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_engine_with_fused_gemvs_in_interpreter(arch: str) -> None:
+    """bf16 engine tokens with the fused kernels equal those of the torch composition of the
+    same steps, AR and spec (see :class:`ComposedSteps`)."""
+    out = run_interpreted([str(Path(__file__).resolve()), "engine", arch], 180)
+    assert "engine ok" in out
+
+
+def _group_kernels() -> None:
+    from specpilot.kernels import reference
+    from specpilot.kernels.fused_gemv import (
+        norm_gemv,
+        norm_linear_ref,
+        residual_gemv,
+        silu_gemv,
+        silu_linear_ref,
+    )
+    from specpilot.kernels.w12_gemm import counter_buffer
+    from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv
+
+    cases = [  # (M, N, K, config): ragged K and N, split-K on and off, M = 1..4
+        (1, 48, 96, GemvConfig(block_n=16, block_k=64)),
+        (2, 32, 128, GemvConfig(block_n=32, block_k=64, split_k=2)),
+        (3, 40, 72, GemvConfig(block_n=16, block_k=64, split_k=1)),
+        (4, 16, 192, GemvConfig(block_n=16, block_k=64, split_k=3)),
+    ]
+    eps = 1e-5
+    for i, (m, n, k, cfg) in enumerate(cases):
+        g = torch.Generator().manual_seed(i)
+        x = (3 * torch.randn(m, k, generator=g)).to(torch.bfloat16)
+        nw = (1 + 0.2 * torch.randn(k, generator=g)).to(torch.bfloat16)
+        w = (0.1 * torch.randn(n, k, generator=g)).to(torch.bfloat16)
+        bias = torch.randn(n, generator=g).to(torch.bfloat16)
+        res = torch.randn(m, n, generator=g).to(torch.bfloat16)
+        gate_up = (2 * torch.randn(m, 2 * k, generator=g)).to(torch.bfloat16)
+        eye = torch.eye(k, dtype=torch.bfloat16)
+        c_eye, c = counter_buffer(k, x.device), counter_buffer(n, x.device)
+        # the prologues alone, read back through the identity
+        xn = norm_gemv(x, nw, eps, eye, c_eye, cfg=cfg)  # [M, K]
+        act = silu_gemv(gate_up, eye, c_eye, cfg=cfg)
+        for got, want in (
+            (xn, reference.rms_norm_ref(x, nw, eps)),
+            (act, reference.silu_mul_ref(gate_up)),
+        ):
+            d = _ulps(got, want)
+            # same rounding steps; fp32 sum order of the statistics (and exp) may move one ulp
+            assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 0.02, (i, d.max())
+        # fused == unfused GEMV of the prologue's output, bit for bit (same kernel, same order)
+        y_norm = norm_gemv(x, nw, eps, w, c, bias, cfg=cfg)
+        assert torch.equal(y_norm, bf16_gemv(xn, w, c, bias, cfg=cfg)), i
+        y_silu = silu_gemv(gate_up, w[:, :k], c, residual=res, cfg=cfg)
+        y_res = residual_gemv(act, w[:, :k], c, res, cfg=cfg)
+        assert torch.equal(y_silu, y_res), i
+        assert torch.equal(silu_gemv(gate_up, w, c, cfg=cfg), bf16_gemv(act, w, c, cfg=cfg)), i
+        # against the torch composition: fp32 summation order only
+        assert _error_ratio(y_norm, xn, w, bias) <= 1.0, i
+        assert _error_ratio(y_res, act, w, res) <= 1.0, i
+        ref = norm_linear_ref(x, nw, eps, w, bias)
+        assert int(_ulps(y_norm, ref).max()) <= 2, i
+        assert int(_ulps(y_silu, silu_linear_ref(gate_up, w, res)).max()) <= 2, i
+        assert int(c.abs().sum()) == 0 and int(c_eye.abs().sum()) == 0, "counters re-arm"
+    # bad input: a clear error, not a wrong answer
+    x, w = torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(16, 64, dtype=torch.bfloat16)
+    c = counter_buffer(16, x.device)
+    for call, msg in (
+        (lambda: residual_gemv(x, w, c, torch.ones(2, 16, dtype=torch.bfloat16)), "residual"),
+        (lambda: norm_gemv(x, torch.ones(63, dtype=torch.bfloat16), 1e-5, w, c), "norm weight"),
+        (lambda: silu_gemv(x, w, c), "gate_up"),
+        (lambda: norm_gemv(torch.ones(5, 64, dtype=torch.bfloat16), x[0], 1e-5, w, c), "rows"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            call()
+    print("kernels ok")
+
+
+class ComposedSteps:
+    """The unfused steps the mechanism replaces, as the torch composition (``reference`` RMSNorm
+    and SiLU·mul, ``F.linear``, ``addmm``'s one-rounding residual), behind the same seam.
+
+    Why not the engine's own unfused Triton path: under the interpreter ``decode_triton``'s
+    RMSNorm and SiLU·mul round with the interpreter's bf16 cast, which is not round-to-nearest-even
+    (it differs from ``reference`` in most elements; on a GPU the cast is RNE), so tokens would
+    differ for that reason alone. Everything else the engine runs is the same in both."""
+
+    def __init__(self, layer: object, names: tuple[str, ...], max_m: int, eps: float) -> None:
+        self.layer, self.names, self.max_m, self.eps = layer, names, max_m, eps
+
+    def takes(self, name: str, rows: int) -> bool:
+        return name in self.names and rows <= self.max_m
+
+    def norm_linear(self, name, x, norm_weight, bias):  # type: ignore[no-untyped-def]
+        from specpilot.kernels.fused_gemv import norm_linear_ref
+
+        return norm_linear_ref(x, norm_weight, self.eps, getattr(self.layer, name), bias)
+
+    def linear_residual(self, name, x, a):  # type: ignore[no-untyped-def]
+        return torch.addmm(x, a, getattr(self.layer, name).t())
+
+    def silu_linear_residual(self, name, x, gate_up):  # type: ignore[no-untyped-def]
+        from specpilot.kernels.fused_gemv import silu_linear_ref
+
+        return silu_linear_ref(gate_up, getattr(self.layer, name), x)
+
+
+def _group_engine(arch: str) -> None:
+    """llama: AR (M = 2) and chain verify (M = 4) through the fused kernels; qwen2 (the qkv bias
+    rides on the fused norm GEMV): AR, then with W12 on qkv and gate_up."""
+    from engine_cases import tokens
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine, generate
+    from specpilot.mechanisms.fused_gemv import MATRIX_SETS, install
+    from specpilot.mechanisms.w12 import install as install_w12
+    from specpilot.models.transformer import Transformer
+
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3]]
+    cfg = tiny_config(arch=arch, vocab=101, layers=2)
+    target = Transformer(cfg, dtype=torch.bfloat16)
+    target.init_random(3, std=0.15)
+    for layer in target.layers:
+        layer.fused_steps = ComposedSteps(layer, MATRIX_SETS["all"], 4, cfg.rms_norm_eps)
+    composed = tokens(generate(Engine(target, fuse_residual=True), prompts, 6))
+    fused = install(target, "all", max_m=4, block_n=64, block_k=64)
+    ar = tokens(generate(Engine(target, fuse_residual=True), prompts, 6))
+    assert ar == composed, (arch, ar, composed)
+    calls = sum(f.calls for f in fused)
+    assert calls >= 5 * cfg.num_layers * 4, calls  # every AR step (M = 2) went through them
+    # prefill rows (> max_m) never reach the fused kernels; nor does the stock forward
+    target(torch.tensor([prompts[1]]), target.allocate_cache(1, 32))  # M = 2, stock
+    assert sum(f.calls for f in fused) == calls
+    if arch == "llama":  # spec: one prompt, k = 3 -> verify rows M = 4, fused too
+        spec = tokens(generate(Engine(target, NgramDrafter(k=3)), prompts[:1], 6))
+        assert spec == ar[:1] and sum(f.calls for f in fused) > calls, (spec, ar)
+    else:  # W12 wins the matrices it replaces; the fused kernels keep the others (o and down)
+        install_w12(target, layers="gate_up_qkv", max_m=4)
+        both = tokens(generate(Engine(target, fuse_residual=True), prompts, 4))
+        assert sum(f.calls for f in fused) - calls == 3 * cfg.num_layers * 2  # 3 AR steps
+        assert both == [t[:4] for t in ar], (both, ar)
+    print("engine ok")
+
+
+# ---------------------------------------------------------------- registry, install, cost
+def test_registry_entry_and_tuner_direction() -> None:
+    mech = MECHANISMS["fused_gemv"]
+    assert mech.plug_point == "kernel_choice" and mech.component == "overhead"
+    assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
+    assert not mech.applies.allows("cuda", "fp32", "ngram", "single", "llama")
+    assert not mech.applies.allows("cpu", "bf16", "ngram", "single", "llama")
+    knobs = mech.resolve_knobs({"max_m": 4, "matrices": "o_down"})
+    assert knobs == {
+        "matrices": "o_down",
+        "max_m": 4,
+        "block_n": 32,
+        "block_k": 512,
+        "num_warps": 4,
+    }
+    with pytest.raises(ValueError, match="max_m"):
+        mech.resolve_knobs({"max_m": 3})
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+    from specpilot.tune.space import directions_for
+
+    base = EngineConfig(DeploymentSpec(target="m", drafter="ngram", dtype="bf16"), k=4)
+    assert "mechanism:fused_gemv" in {d.name for d in directions_for(base, "cuda", "llama")}
+    assert "mechanism:fused_gemv" not in {d.name for d in directions_for(base, "cpu", "llama")}
+
+
+def test_install_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from specpilot.mechanisms.fused_gemv import install
+
+    model = tiny_model(tiny_config(), 0)  # fp32
+    with pytest.raises(SpecPilotError, match="bf16"):
+        install(model)
+    build = types.SimpleNamespace(target=types.SimpleNamespace(model=model), notes=[])
+    with pytest.raises(SpecPilotError, match="bf16"):
+        MECHANISMS["fused_gemv"].apply(build, MECHANISMS["fused_gemv"].resolve_knobs({}))  # type: ignore[arg-type]
+    from specpilot.models.transformer import Transformer
+
+    bf = Transformer(tiny_config(), dtype=torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    with pytest.raises(SpecPilotError, match="max_m"):
+        install(bf, max_m=8)
+    with pytest.raises(SpecPilotError, match="tiling"):
+        install(bf, block_n=24)
+    with pytest.raises(SpecPilotError, match="matrices"):
+        install(bf, matrices="lm_head")
+    assert all(layer.fused_steps is None for layer in bf.layers)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "engine":
+        _group_engine(sys.argv[2])
+    else:
+        {"kernels": _group_kernels}[sys.argv[1]]()
