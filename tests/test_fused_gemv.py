@@ -239,6 +239,35 @@ def test_install_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -
     assert all(layer.fused_steps is None for layer in bf.layers)
 
 
+def test_cost_model() -> None:
+    from specpilot.mechanisms.fused_gemv_cost import H200_KERNELS, KernelCosts, predict
+    from specpilot.synthetic import TARGET_SHAPES
+
+    cfg = TARGET_SHAPES["llama3-8b"]
+    bw = 4.25e12
+    costs = KernelCosts(rms_norm_s=2e-6, silu_mul_s=1.5e-6, reduce_s=1.8e-6, gap_s=0.5e-6)
+    p = predict(cfg, bw, "all", costs=costs, l2_Bps=1e30)
+    by = {m.matrix: m for m in p.matrices}
+    assert by["w_qkv"].kernels_s == pytest.approx(2.5e-6)  # the input norm and its gap
+    assert by["w_o"].kernels_s == pytest.approx(2.3e-6)  # cuBLAS's split-K reduce
+    assert by["w_down"].kernels_s == pytest.approx(2.0e-6 + 2.3e-6)  # SiLU·mul and a reduce
+    assert p.kernels_removed == 32 * 5
+    assert p.saved_s == pytest.approx(32 * (2.5 + 2.3 + 2.5 + 4.3) * 1e-6, rel=1e-6)
+    assert p.speedup(5e-3) == pytest.approx(5e-3 / (5e-3 - p.saved_s))
+    # a slower GEMV gives time back: bytes / BW · (1/eff_fused − 1/eff_cublas)
+    slow = predict(cfg, bw, "down", costs=costs, cublas_eff=0.9, fused_eff={"w_down": 0.7})
+    stream = 4096 * 14336 * 2 / bw
+    assert slow.matrices[0].gemv_delta_s == pytest.approx(stream / 0.7 - stream / 0.9)
+    assert slow.saved_s < 0  # 4.3 µs less kernel time cannot pay for 8.8 µs more stream time
+    # the norm prologue's row reads scale with rows and programs
+    a = predict(cfg, bw, "norms", rows=1, programs=100).matrices[0].prologue_s
+    b = predict(cfg, bw, "norms", rows=4, programs=100).matrices[0].prologue_s
+    assert b == pytest.approx(4 * a) and a > 0
+    assert predict(cfg, bw).saved_s > 0 and H200_KERNELS.gap_s == pytest.approx(0.268e-3 / 464)
+    with pytest.raises(ValueError, match="positive"):
+        predict(cfg, 0.0)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "engine":
         _group_engine(sys.argv[2])
