@@ -268,6 +268,48 @@ def test_cost_model() -> None:
         predict(cfg, 0.0)
 
 
+@pytest.mark.slow
+def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
+    """The bench script end to end on tiny shapes (about a minute in the interpreter)."""
+    import json
+
+    out = run_interpreted(
+        [str(ROOT / "bench" / "fused_gemv_gpu.py"), "--tiny", "--out", str(tmp_path)], 300
+    )
+    assert "fused GEMV" in out
+    res = json.loads((tmp_path / "fused_gemv_gpu.json").read_text())
+    for name, mat in res["matrices"].items():
+        for m, row in mat["rows"].items():
+            assert row["check"]["err_over_bound"] <= 1.0, (name, m)
+            assert row["check"].get("prologue_max_ulps", 0) <= 1, (name, m)
+            assert all("us" in row[v] for v in ("cublas", "gemv", "fused")), (name, m)
+    e2e = res["e2e"]
+    assert e2e["forcing_mismatches"] == 0 and e2e["fused_calls"] > 0, e2e
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels' GPU path")
+def test_cuda_graph_engine_with_fused_gemvs_equals_without() -> None:
+    """On CUDA (graphs, the Triton path, RNE casts): bf16 tokens with the mechanism equal those
+    without it, AR for a batch of two and spec with chain verify (M = 4)."""
+    from engine_cases import tokens
+    from specpilot.drafters import NgramDrafter
+    from specpilot.engine import Engine, generate
+    from specpilot.mechanisms.fused_gemv import install
+    from specpilot.models.transformer import Transformer
+
+    cfg = tiny_config(arch="qwen2", vocab=113, layers=3)
+    target = Transformer(cfg, dtype=torch.bfloat16, device="cuda")
+    target.init_random(0, std=0.15)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3]]
+    want = tokens(generate(Engine(target), prompts, 24))
+    fused = install(target, "all", max_m=4)
+    engine = Engine(target)
+    assert tokens(generate(engine, prompts, 24)) == want
+    assert engine.runner.captures > 0 and sum(f.calls for f in fused) > 0
+    spec = tokens(generate(Engine(target, NgramDrafter(k=3)), prompts[:1], 24))
+    assert spec == want[:1]
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "engine":
         _group_engine(sys.argv[2])

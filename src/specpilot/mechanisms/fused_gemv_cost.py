@@ -108,7 +108,7 @@ def predict(
     matrices: str = "all",
     rows: int = 1,
     costs: KernelCosts = H200_KERNELS,
-    cublas_eff: float = 0.897,
+    cublas_eff: float | Mapping[str, float] = 0.897,
     fused_eff: Mapping[str, float] | None = None,
     programs: int = 264,
     l2_Bps: float = 10e12,
@@ -116,17 +116,20 @@ def predict(
 ) -> FusedGemvPrediction:
     """The saving of ``install(model, matrices)`` on a forward of ``rows`` rows (<= max_m).
     ``cublas_eff``: cuBLAS's fraction of copy bandwidth on the GEMVs (0.897 on the H200 8B AR
-    step, GPU_PATH); ``fused_eff``: the fused GEMV's, by matrix (measured), else the same;
+    step, GPU_PATH), or by matrix (measured); ``fused_eff``: the fused GEMV's, by matrix (measured), else the same;
     ``programs``: programs per fused launch (about 2 per SM); ``l2_Bps``: L2 read bandwidth."""
-    if bandwidth_Bps <= 0 or l2_Bps <= 0 or not 0 < cublas_eff <= 2:
-        raise ValueError("bandwidths must be positive and cublas_eff in (0, 2]")
+    if bandwidth_Bps <= 0 or l2_Bps <= 0:
+        raise ValueError("bandwidths must be positive")
     out = []
     for m in MATRIX_SETS[matrices]:
         gone = removed_kernels(m, costs)
         kernels_s = sum(s + costs.gap_s for _, s in gone)
-        eff = cublas_eff if fused_eff is None else fused_eff.get(m, cublas_eff)
+        cub = cublas_eff if isinstance(cublas_eff, float) else cublas_eff[m]
+        eff = cub if fused_eff is None else fused_eff.get(m, cub)
+        if not (0 < cub <= 2 and 0 < eff <= 2):
+            raise ValueError(f"efficiencies must be in (0, 2], got {cub} and {eff} for {m}")
         stream = matrix_bytes(cfg, m, dtype_bytes) / bandwidth_Bps
-        delta = stream / eff - stream / cublas_eff
+        delta = stream / eff - stream / cub
         prologue = 0.0
         if m in ("w_qkv", "w_gate_up"):
             prologue = programs * rows * cfg.hidden_size * dtype_bytes / l2_Bps
