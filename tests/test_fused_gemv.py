@@ -14,6 +14,8 @@ summation order) within ``w12_gemm``'s bound ``2^-8 |y| + K·2^-23·Σ|x||w|``.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -268,6 +270,74 @@ def test_cost_model() -> None:
         predict(cfg, 0.0)
 
 
+def _group_sm90() -> None:
+    """Compile the fused GEMV variants for sm_90 (ptxas, no GPU needed); print registers and
+    spill bytes per variant from ``cuobjdump -res-usage``."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specpilot.kernels.w12_gemv import _gemv_kernel
+
+    ptrs = ("x64_ptr", "*i64"), ("x16_ptr", "*bf16"), ("w_ptr", "*i64"), ("sm_ptr", "*i32")
+    ptrs += ("codes_ptr", "*i32"), ("off_ptr", "*i32"), ("rec_ptr", "*i32"), ("val_ptr", "*bf16")
+    ptrs += ("bias_ptr", "*bf16"), ("g64_ptr", "*i64"), ("y_ptr", "*bf16"), ("part_ptr", "*fp32")
+    ptrs += (("count_ptr", "*i32"),)
+    ints = [
+        "M",
+        "N",
+        "K",
+        "stride_x64",
+        "stride_ym",
+        "stride_bm",
+        "up_words",
+        "row_words",
+        "base",
+        "k_split",
+        "split",
+    ]
+    sig = dict(ptrs) | dict.fromkeys(ints, "i32") | {"eps": "fp32"}
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for prologue, has_bias, rows, warps in ((1, False, 4, 4), (2, True, 4, 8), (0, True, 1, 4)):
+        const = dict(W12=False, PTX=False, HAS_BIAS=has_bias, PROLOGUE=prologue, EVEN=True,
+                     ROWS=rows, BLOCK_N=32, BLOCK_K=512, ESC_STEP=16, MAX_SPLIT=16,
+                     INTERPRET=False)  # fmt: skip
+        src = ASTSource(_gemv_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run(
+                [str(tool), "-res-usage", f.name], capture_output=True, text=True
+            ).stdout
+        reg = re.search(r"REG:(\d+)", usage)
+        local = re.search(r"LOCAL:(\d+)", usage)
+        assert reg and local, usage
+        print(f"prologue={prologue} rows={rows} regs={reg.group(1)} local={local.group(1)}")
+    print("sm90 ok")
+
+
+def test_fused_variants_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """The GPU code path is not run here, but it must compile for the H200 (sm_90): each fused
+    variant through ptxas, with no local memory (spills). Triton here may be newer than 3.6."""
+    triton = pytest.importorskip("triton")
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("no bundled CUDA tools in this triton")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "sm90"], env=env, capture_output=True,
+        text=True, timeout=120, cwd=ROOT / "tests",
+    )  # fmt: skip
+    assert out.returncode == 0 and "sm90 ok" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+    assert all(line.endswith("local=0") for line in out.stdout.splitlines() if "regs=" in line)
+
+
 @pytest.mark.slow
 def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
     """The bench script end to end on tiny shapes (about a minute in the interpreter)."""
@@ -314,4 +384,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "engine":
         _group_engine(sys.argv[2])
     else:
-        {"kernels": _group_kernels}[sys.argv[1]]()
+        {"kernels": _group_kernels, "sm90": _group_sm90}[sys.argv[1]]()

@@ -63,6 +63,10 @@ and the residual; o: the residual). ``o_down`` is what is left to fuse beside W1
 ``gate_up_qkv``."""
 
 
+def _rows(x: Tensor) -> Tensor:  # [M, N]: unit column stride, as the epilogue reads it
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
 class FusedLinears:
     """One decoder layer's fused GEMVs (``DecoderLayer.fused_steps``, ``models/forward.FusedSteps``)."""
 
@@ -102,14 +106,14 @@ class FusedLinears:
         from specpilot.kernels.fused_gemv import residual_gemv
 
         self.calls += 1
-        return residual_gemv(a, self.weights[name], self.counters[name], x, cfg=self.gemv)
+        return residual_gemv(a, self.weights[name], self.counters[name], _rows(x), cfg=self.gemv)
 
     def silu_linear_residual(self, name: str, x: Tensor, gate_up: Tensor) -> Tensor:
         from specpilot.kernels.fused_gemv import silu_gemv
 
         self.calls += 1
         w = self.weights[name]
-        return silu_gemv(gate_up, w, self.counters[name], residual=x, cfg=self.gemv)
+        return silu_gemv(gate_up, w, self.counters[name], residual=_rows(x), cfg=self.gemv)
 
 
 def install(
