@@ -48,9 +48,21 @@ def _error_ratio(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, add: torch.T
     return float(((y.double() - z).abs() / bound).max())
 
 
+def _with_escapes(w: torch.Tensor, seed: int) -> torch.Tensor:
+    """``w`` with a few values outside any 15-exponent window (W12 escapes), several per row."""
+    g = torch.Generator().manual_seed(seed)
+    out = w.clone()
+    idx = torch.randperm(w.numel(), generator=g)[: max(4, w.numel() // 40)]
+    vals = torch.tensor([3.0, -2.5, 1e-30, 0.0], dtype=w.dtype)
+    out.view(-1)[idx] = vals[torch.arange(len(idx)) % len(vals)]
+    return out
+
+
 # ---------------------------------------------------------------- interpreter (subprocess)
-def test_kernels_match_the_unfused_composition_in_interpreter() -> None:
-    assert "kernels ok" in run_interpreted([str(Path(__file__).resolve()), "kernels"], 180)
+@pytest.mark.parametrize("fmt", ["bf16", "w12"])
+def test_kernels_match_the_unfused_composition_in_interpreter(fmt: str) -> None:
+    out = run_interpreted([str(Path(__file__).resolve()), "kernels", fmt], 180)
+    assert "kernels ok" in out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -61,7 +73,8 @@ def test_engine_with_fused_gemvs_in_interpreter(arch: str) -> None:
     assert "engine ok" in out
 
 
-def _group_kernels() -> None:
+def _group_kernels(fmt: str) -> None:
+    """``fmt`` bf16: the prologues, the fused bf16 GEMVs, bad input; w12: the fused W12 GEMVs."""
     from specpilot.kernels import reference
     from specpilot.kernels.fused_gemv import (
         norm_gemv,
@@ -71,7 +84,8 @@ def _group_kernels() -> None:
         silu_linear_ref,
     )
     from specpilot.kernels.w12_gemm import counter_buffer
-    from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv
+    from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
+    from specpilot.mechanisms.w12_format import decode, encode
 
     cases = [  # (M, N, K, config): ragged K and N, split-K on and off, M = 1..4
         (1, 48, 96, GemvConfig(block_n=16, block_k=64)),
@@ -100,20 +114,35 @@ def _group_kernels() -> None:
             d = _ulps(got, want)
             # same rounding steps; fp32 sum order of the statistics (and exp) may move one ulp
             assert int(d.max()) <= 1 and float((d > 0).float().mean()) <= 0.02, (i, d.max())
-        # fused == unfused GEMV of the prologue's output, bit for bit (same kernel, same order)
-        y_norm = norm_gemv(x, nw, eps, w, c, bias, cfg=cfg)
-        assert torch.equal(y_norm, bf16_gemv(xn, w, c, bias, cfg=cfg)), i
-        y_silu = silu_gemv(gate_up, w[:, :k], c, residual=res, cfg=cfg)
-        y_res = residual_gemv(act, w[:, :k], c, res, cfg=cfg)
-        assert torch.equal(y_silu, y_res), i
-        assert torch.equal(silu_gemv(gate_up, w, c, cfg=cfg), bf16_gemv(act, w, c, cfg=cfg)), i
-        # against the torch composition: fp32 summation order only
-        assert _error_ratio(y_norm, xn, w, bias) <= 1.0, i
-        assert _error_ratio(y_res, act, w, res) <= 1.0, i
-        ref = norm_linear_ref(x, nw, eps, w, bias)
-        assert int(_ulps(y_norm, ref).max()) <= 2, i
-        assert int(_ulps(y_silu, silu_linear_ref(gate_up, w, res)).max()) <= 2, i
-        assert int(c.abs().sum()) == 0 and int(c_eye.abs().sum()) == 0, "counters re-arm"
+        if fmt == "bf16":
+            # fused == unfused GEMV of the prologue's output, bit for bit (same kernel, same order)
+            y_norm = norm_gemv(x, nw, eps, w, c, bias, cfg=cfg)
+            assert torch.equal(y_norm, bf16_gemv(xn, w, c, bias, cfg=cfg)), i
+            y_silu = silu_gemv(gate_up, w[:, :k], c, residual=res, cfg=cfg)
+            y_res = residual_gemv(act, w[:, :k], c, res, cfg=cfg)
+            assert torch.equal(y_silu, y_res), i
+            assert torch.equal(silu_gemv(gate_up, w, c, cfg=cfg), bf16_gemv(act, w, c, cfg=cfg)), i
+            # against the torch composition: fp32 summation order only
+            assert _error_ratio(y_norm, xn, w, bias) <= 1.0, i
+            assert _error_ratio(y_res, act, w, res) <= 1.0, i
+            ref = norm_linear_ref(x, nw, eps, w, bias)
+            assert int(_ulps(y_norm, ref).max()) <= 2, i
+            assert int(_ulps(y_silu, silu_linear_ref(gate_up, w, res)).max()) <= 2, i
+            assert int(c.abs().sum()) == 0 and int(c_eye.abs().sum()) == 0, "counters re-arm"
+        if fmt != "w12":
+            continue
+        # W12 weights with escapes (gathered activations go through the prologue too): equal
+        # to the W12 GEMV of the prologue's output, bit for bit
+        t = encode(_with_escapes(w, i))
+        assert t.num_escapes > 0
+        assert torch.equal(norm_gemv(x, nw, eps, t, c, bias, cfg=cfg), w12_gemv(xn, t, c, bias, cfg=cfg)), i  # fmt: skip
+        tk = encode(_with_escapes(w[:, :k].contiguous(), i))
+        y12 = silu_gemv(gate_up, tk, c, residual=res, cfg=cfg)
+        assert torch.equal(y12, residual_gemv(act, tk, c, res, cfg=cfg)), i
+        assert _error_ratio(y12, act, decode(tk), res) <= 1.0, i
+    if fmt == "w12":
+        print("kernels ok")
+        return
     # bad input: a clear error, not a wrong answer
     x, w = torch.ones(1, 64, dtype=torch.bfloat16), torch.ones(16, 64, dtype=torch.bfloat16)
     c = counter_buffer(16, x.device)
@@ -159,7 +188,7 @@ class ComposedSteps:
 
 def _group_engine(arch: str) -> None:
     """llama: AR (M = 2) and chain verify (M = 4) through the fused kernels; qwen2 (the qkv bias
-    rides on the fused norm GEMV): AR, then with W12 on qkv and gate_up."""
+    rides on the fused norm GEMV): AR, then with W12 on qkv and gate_up (fused in W12's GEMV)."""
     from engine_cases import tokens
     from specpilot.drafters import NgramDrafter
     from specpilot.engine import Engine, generate
@@ -185,11 +214,12 @@ def _group_engine(arch: str) -> None:
     if arch == "llama":  # spec: one prompt, k = 3 -> verify rows M = 4, fused too
         spec = tokens(generate(Engine(target, NgramDrafter(k=3)), prompts[:1], 6))
         assert spec == ar[:1] and sum(f.calls for f in fused) > calls, (spec, ar)
-    else:  # W12 wins the matrices it replaces; the fused kernels keep the others (o and down)
+    else:  # W12 on qkv and gate_up: their norms fused into the W12 GEMV (M = 2: W12's GEMV)
         install_w12(target, layers="gate_up_qkv", max_m=4)
-        both = tokens(generate(Engine(target, fuse_residual=True), prompts, 4))
-        assert sum(f.calls for f in fused) - calls == 3 * cfg.num_layers * 2  # 3 AR steps
-        assert both == [t[:4] for t in ar], (both, ar)
+        both = tokens(generate(Engine(target, fuse_residual=True), prompts, 3))
+        assert sum(f.calls for f in fused) - calls == 2 * cfg.num_layers * 4  # 2 AR steps
+        assert sum(f.w12_calls for f in fused) == 2 * cfg.num_layers * 2
+        assert both == [t[:3] for t in ar], (both, ar)
     print("engine ok")
 
 
@@ -285,7 +315,8 @@ def _group_sm90() -> None:
 
     ptrs = ("x64_ptr", "*i64"), ("x16_ptr", "*bf16"), ("w_ptr", "*i64"), ("sm_ptr", "*i32")
     ptrs += ("codes_ptr", "*i32"), ("off_ptr", "*i32"), ("rec_ptr", "*i32"), ("val_ptr", "*bf16")
-    ptrs += ("bias_ptr", "*bf16"), ("g64_ptr", "*i64"), ("y_ptr", "*bf16"), ("part_ptr", "*fp32")
+    ptrs += ("bias_ptr", "*bf16"), ("g64_ptr", "*i64"), ("g16_ptr", "*bf16"), ("y_ptr", "*bf16")
+    ptrs += (("part_ptr", "*fp32"),)
     ptrs += (("count_ptr", "*i32"),)
     ints = [
         "M",
@@ -302,8 +333,10 @@ def _group_sm90() -> None:
     ]
     sig = dict(ptrs) | dict.fromkeys(ints, "i32") | {"eps": "fp32"}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for prologue, has_bias, rows, warps in ((1, False, 4, 4), (2, True, 4, 8), (0, True, 1, 4)):
-        const = dict(W12=False, PTX=False, HAS_BIAS=has_bias, PROLOGUE=prologue, EVEN=True,
+    variants = ((1, False, 4, 4, False), (2, True, 4, 8, False), (0, True, 1, 4, False))
+    variants += ((0, False, 1, 4, True), (1, True, 1, 4, True), (2, True, 2, 4, True))  # W12, PTX
+    for prologue, has_bias, rows, warps, w12 in variants:
+        const = dict(W12=w12, PTX=w12, HAS_BIAS=has_bias, PROLOGUE=prologue, EVEN=True,
                      ROWS=rows, BLOCK_N=32, BLOCK_K=512, ESC_STEP=16, MAX_SPLIT=16,
                      INTERPRET=False)  # fmt: skip
         src = ASTSource(_gemv_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
@@ -317,7 +350,9 @@ def _group_sm90() -> None:
         reg = re.search(r"REG:(\d+)", usage)
         local = re.search(r"LOCAL:(\d+)", usage)
         assert reg and local, usage
-        print(f"prologue={prologue} rows={rows} regs={reg.group(1)} local={local.group(1)}")
+        print(
+            f"w12={w12} prologue={prologue} rows={rows} regs={reg.group(1)} local={local.group(1)}"
+        )
     print("sm90 ok")
 
 
@@ -383,5 +418,7 @@ def test_cuda_graph_engine_with_fused_gemvs_equals_without() -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "engine":
         _group_engine(sys.argv[2])
+    elif sys.argv[1] == "kernels":
+        _group_kernels(sys.argv[2])
     else:
-        {"kernels": _group_kernels, "sm90": _group_sm90}[sys.argv[1]]()
+        {"sm90": _group_sm90}[sys.argv[1]]()

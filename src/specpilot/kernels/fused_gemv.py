@@ -3,7 +3,9 @@
 For M <= 4 rows a decoder layer runs, besides its four GEMVs, two RMSNorm kernels and one
 SiLU·mul kernel, and on cuBLAS split-K reduce kernels for the narrow ``o`` and ``down`` products
 (docs/GPU_PATH.md, "Where the AR step goes"). These wrappers run the bf16 GEMV of
-``kernels/w12_gemv.py`` (one launch, split-K reduced in the kernel by an arrival counter) with:
+``kernels/w12_gemv.py`` (one launch, split-K reduced in the kernel by an arrival counter; bf16
+weights, or W12 v3 ones decoded in registers, whose escape gathers go through the same
+prologue) with:
 
 * ``norm_gemv``: the RMSNorm of ``x`` as its prologue (qkv after ``input_norm``, gate_up after
   ``post_attn_norm``). Every program computes its rows' ``1 / RMS`` itself from the whole row
@@ -38,30 +40,41 @@ from specpilot.kernels.w12_gemv import (
     GemvConfig,
     _launch,
 )
+from specpilot.mechanisms.w12_format import W12Tensor
+
+Weight = Tensor | W12Tensor
+"""``[N, K]``: bf16 (contiguous, K % 4 == 0) or W12 v3 (decoded in the GEMV, PTX decoder on
+the GPU)."""
+
+
+def _formats(w: Weight) -> tuple[Tensor | None, W12Tensor | None]:
+    return (None, w) if isinstance(w, W12Tensor) else (w, None)
 
 
 def norm_gemv(
     x: Tensor,  # [M, K] bf16, M <= 4: the residual stream before the norm
     norm_weight: Tensor,  # [K] bf16
     eps: float,
-    w: Tensor,  # [N, K] bf16 contiguous, K % 4 == 0
+    w: Weight,  # [N, K]
     counters: Tensor,  # from w12_gemm.counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     cfg: GemvConfig | None = None,
+    ptx: bool = True,
 ) -> Tensor:  # [M, N] bf16
-    """``rms_norm(x, norm_weight) @ w.T (+ bias)`` in one launch."""
+    """``rms_norm(x, norm_weight) @ w.T (+ bias)`` in one launch (``ptx``: W12's PTX decoder)."""
     return _launch(
-        x, w.shape[0], w, None, bias, counters, cfg or GemvConfig(), False,
+        x, w.shape[0], *_formats(w), bias, counters, cfg or GemvConfig(), ptx,
         prologue=PROLOGUE_NORM, norm_weight=norm_weight, eps=eps,
     )  # fmt: skip
 
 
 def silu_gemv(
     gate_up: Tensor,  # [M, 2I] bf16, M <= 4 (gate first)
-    w: Tensor,  # [N, I] bf16 contiguous, I % 4 == 0
+    w: Weight,  # [N, I], I % 4 == 0
     counters: Tensor,
     residual: Tensor | None = None,  # [M, N] bf16
     cfg: GemvConfig | None = None,
+    ptx: bool = True,
 ) -> Tensor:  # [M, N] bf16
     """``(residual +) silu_mul(gate_up) @ w.T`` in one launch."""
     if gate_up.shape[1] != 2 * w.shape[1]:
@@ -69,21 +82,22 @@ def silu_gemv(
             f"gate_up has {gate_up.shape[1]} columns, the weight takes 2 x {w.shape[1]}"
         )
     return _launch(
-        gate_up, w.shape[0], w, None, None, counters, cfg or GemvConfig(), False,
+        gate_up, w.shape[0], *_formats(w), None, counters, cfg or GemvConfig(), ptx,
         prologue=PROLOGUE_SILU, residual=residual,
     )  # fmt: skip
 
 
 def residual_gemv(
     a: Tensor,  # [M, K] bf16, M <= 4
-    w: Tensor,  # [N, K] bf16 contiguous
+    w: Weight,  # [N, K]
     counters: Tensor,
     residual: Tensor,  # [M, N] bf16
     cfg: GemvConfig | None = None,
+    ptx: bool = True,
 ) -> Tensor:  # [M, N] bf16
     """``residual + a @ w.T`` with one rounding, in one launch."""
     return _launch(
-        a, w.shape[0], w, None, None, counters, cfg or GemvConfig(), False,
+        a, w.shape[0], *_formats(w), None, counters, cfg or GemvConfig(), ptx,
         prologue=PROLOGUE_NONE, residual=residual,
     )  # fmt: skip
 

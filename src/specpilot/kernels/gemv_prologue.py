@@ -34,22 +34,27 @@ def _round_bf16(v):
 
 
 @triton.jit
-def _prologue4(x0, x1, x2, x3, aux, inv_rms, PROLOGUE: tl.constexpr):
-    """The 4 activations of one word after the prologue, each rounded as its unfused kernel
-    rounds. ``PROLOGUE`` 1 (RMSNorm): ``bf16(g · bf16(x · inv_rms))``, ``aux`` the norm weights'
-    word; 2 (SiLU·mul): ``bf16(bf16(silu(x)) · u)``, ``x`` the gate, ``aux`` the up half's word."""
-    a0, a1, a2, a3 = _split_words(aux)
+def _prologue(x, aux, inv_rms, PROLOGUE: tl.constexpr):
+    """Activations (fp32 holding bf16 values, any shape) after the prologue, rounded as the
+    unfused kernel rounds. ``PROLOGUE`` 1 (RMSNorm): ``bf16(g · bf16(x · inv_rms))``, ``aux`` the
+    norm weights; 2 (SiLU·mul): ``bf16(bf16(silu(x)) · u)``, ``x`` the gate, ``aux`` the up half."""
     if PROLOGUE == 1:
-        x0 = _round_bf16(a0 * _round_bf16(x0 * inv_rms))
-        x1 = _round_bf16(a1 * _round_bf16(x1 * inv_rms))
-        x2 = _round_bf16(a2 * _round_bf16(x2 * inv_rms))
-        x3 = _round_bf16(a3 * _round_bf16(x3 * inv_rms))
+        y = _round_bf16(aux * _round_bf16(x * inv_rms))
     else:
-        x0 = _round_bf16(_round_bf16(x0 / (1.0 + tl.exp(-x0))) * a0)
-        x1 = _round_bf16(_round_bf16(x1 / (1.0 + tl.exp(-x1))) * a1)
-        x2 = _round_bf16(_round_bf16(x2 / (1.0 + tl.exp(-x2))) * a2)
-        x3 = _round_bf16(_round_bf16(x3 / (1.0 + tl.exp(-x3))) * a3)
-    return x0, x1, x2, x3
+        y = _round_bf16(_round_bf16(x / (1.0 + tl.exp(-x))) * aux)
+    return y
+
+
+@triton.jit
+def _prologue4(x0, x1, x2, x3, aux, inv_rms, PROLOGUE: tl.constexpr):
+    """:func:`_prologue` of the 4 activations of one word, ``aux`` a word of 4 bf16."""
+    a0, a1, a2, a3 = _split_words(aux)
+    return (
+        _prologue(x0, a0, inv_rms, PROLOGUE),
+        _prologue(x1, a1, inv_rms, PROLOGUE),
+        _prologue(x2, a2, inv_rms, PROLOGUE),
+        _prologue(x3, a3, inv_rms, PROLOGUE),
+    )
 
 
 @triton.jit

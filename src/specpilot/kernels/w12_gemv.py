@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.gemv_prologue import _inv_rms, _row_step, _split_words
+from specpilot.kernels.gemv_prologue import _inv_rms, _prologue, _row_step, _split_words
 from specpilot.kernels.w12_decode import decode_words_f32_ops, decode_words_f32_ptx
 from specpilot.kernels.w12_gemm import (
     MAX_SPLIT_K,
@@ -58,10 +58,13 @@ PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
 @triton.jit
 def _escapes(
     e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr, stride_x16,
-    rec_ptr, val_ptr, ROWS: tl.constexpr, ESC_STEP: tl.constexpr,
+    rec_ptr, val_ptr, g16_ptr, inv, up_cols, ROWS: tl.constexpr, ESC_STEP: tl.constexpr,
+    PROLOGUE: tl.constexpr,
 ):  # fmt: skip
     """Load one chunk of this program's escape records starting at ``e0``: the products to add,
-    ``x·w`` and ``x·p`` as ``[ROWS, E]`` fp32 with their output columns ``hit [E, BN]``."""
+    ``x·w`` and ``x·p`` as ``[ROWS, E]`` fp32 with their output columns ``hit [E, BN]``. The
+    gathered activations go through the prologue as the dense loop's do (``g16_ptr``: the norm
+    weights, ``inv [ROWS]``: 1 / RMS; ``up_cols``: the up half's offset in a gate_up row)."""
     idx = e0 + tl.arange(0, ESC_STEP)  # [E]
     valid = idx < e_end
     rec = tl.load(rec_ptr + idx, mask=valid, other=0)
@@ -75,6 +78,12 @@ def _escapes(
     x_mask = (m_rows[:, None] < M) & ok[None, :]
     xe = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + k_e[None, :], mask=x_mask, other=0.0)
     xe = _bf16_to_f32(xe)  # [ROWS, E]
+    if PROLOGUE == 1:
+        ge = _bf16_to_f32(tl.load(g16_ptr + k_e, mask=ok, other=0.0))  # [E]
+        xe = _prologue(xe, ge[None, :], inv[:, None], PROLOGUE)
+    elif PROLOGUE == 2:
+        up = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + up_cols + k_e[None, :], mask=x_mask, other=0.0)  # fmt: skip
+        xe = _prologue(xe, _bf16_to_f32(up), inv[:, None], PROLOGUE)
     v_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     w_e = (v_bits << 16).to(tl.float32, bitcast=True)  # [E]
     p_e = (((v_bits & 0x807F) | (base << 7)) << 16).to(tl.float32, bitcast=True)
@@ -129,6 +138,7 @@ def _gemv_kernel(
     val_ptr,  # [n_esc] bf16
     bias_ptr,  # [N] bf16, or [M, N] with row stride stride_bm (a residual) (HAS_BIAS)
     g64_ptr,  # [K / 4] int64 words of the RMSNorm weights (PROLOGUE == 1)
+    g16_ptr,  # the same memory as bf16 (escape gathers)
     y_ptr,  # [M, N] bf16, row stride stride_ym
     part_ptr,  # [split, M, N] fp32 (split > 1)
     count_ptr,  # [tiles] int32 (split > 1)
@@ -168,6 +178,18 @@ def _gemv_kernel(
     lo = (jw // 8) * 16 + (jw % 8)  # [BW] sm (or bf16) word of the first half, from k0 / 4
     hi = lo + 8
 
+    inv = tl.zeros((ROWS,), dtype=tl.float32)  # each row's 1 / RMS (PROLOGUE == 1)
+    inv0 = 0.0
+    inv1 = 0.0
+    inv2 = 0.0
+    inv3 = 0.0
+    if PROLOGUE == 1:  # the whole row's statistics, read from L2 (by every program)
+        inv = _inv_rms(x16_ptr, stride_x64 * 4, m_rows, M, K, eps, ROWS, BLOCK_K)  # [ROWS]
+        inv0 = tl.sum(tl.where(m_rows == 0, inv, 0.0))
+        inv1 = tl.sum(tl.where(m_rows == 1, inv, 0.0))
+        inv2 = tl.sum(tl.where(m_rows == 2, inv, 0.0))
+        inv3 = tl.sum(tl.where(m_rows == 3, inv, 0.0))
+
     if W12:  # the first chunk of escapes, fetched now so that it arrives during the K loop
         NB: tl.constexpr = BLOCK_N // _ESC_ROWS
         n_blocks = (N + _ESC_ROWS - 1) // _ESC_ROWS
@@ -178,19 +200,10 @@ def _gemv_kernel(
         e_end = tl.load(off_ptr + tl.minimum(blk0 + NB, n_blocks))
         pw, pp, hit = _escapes(
             e_start, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
-            stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+            stride_x64 * 4, rec_ptr, val_ptr, g16_ptr, inv, up_words * 4, ROWS, ESC_STEP,
+            PROLOGUE,
         )  # fmt: skip
     base4 = base * 0x01010101
-    inv0 = 0.0  # each row's 1 / RMS (PROLOGUE == 1): the whole row's statistics, read from L2
-    inv1 = 0.0
-    inv2 = 0.0
-    inv3 = 0.0
-    if PROLOGUE == 1:
-        inv = _inv_rms(x16_ptr, stride_x64 * 4, m_rows, M, K, eps, ROWS, BLOCK_K)  # [ROWS]
-        inv0 = tl.sum(tl.where(m_rows == 0, inv, 0.0))
-        inv1 = tl.sum(tl.where(m_rows == 1, inv, 0.0))
-        inv2 = tl.sum(tl.where(m_rows == 2, inv, 0.0))
-        inv3 = tl.sum(tl.where(m_rows == 3, inv, 0.0))
 
     acc0 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
@@ -253,7 +266,8 @@ def _gemv_kernel(
         while e0 < e_end:  # more escapes than one chunk in these rows: rare
             pw, pp, hit = _escapes(
                 e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
-                stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+                stride_x64 * 4, rec_ptr, val_ptr, g16_ptr, inv, up_words * 4, ROWS, ESC_STEP,
+                PROLOGUE,
             )  # fmt: skip
             acc = _apply_escapes(acc, pw, pp, hit)
             e0 += ESC_STEP
@@ -316,14 +330,14 @@ def _launch(
     residual: Tensor | None = None,  # [M, N] bf16, added before the one rounding
 ) -> Tensor:  # [M, N] bf16
     """``prologue``: ``PROLOGUE_NORM`` normalises ``x`` in the kernel; ``PROLOGUE_SILU`` reads
-    ``x`` as ``gate_up [M, 2K]`` and multiplies by ``silu(gate) * up`` (bf16 weights only)."""
+    ``x`` as ``gate_up [M, 2K]`` and multiplies by ``silu(gate) * up`` (either weight format)."""
     m, k = x.shape
     if prologue == PROLOGUE_SILU:
         k //= 2
     if x.dtype != torch.bfloat16:
         raise ValueError("x must be bf16")
-    if prologue != PROLOGUE_NONE and (w12 is not None or k % 4):
-        raise ValueError("a fused prologue needs bf16 weights and K % 4 == 0")
+    if prologue != PROLOGUE_NONE and k % 4:
+        raise ValueError("a fused prologue needs K % 4 == 0")
     stride_bm = 0
     if residual is not None:
         if bias is not None or residual.shape != (m, n) or residual.stride(1) != 1:
@@ -369,7 +383,8 @@ def _launch(
         row_words, base = k // 4, 0
     _gemv_kernel[grid](
         x64, xw, w_arg, sm32, codes32, offs, recs, vals,
-        bias if bias is not None else x, g64 if g64 is not None else x64, y, part, counters,
+        bias if bias is not None else x, g64 if g64 is not None else x64,
+        norm_weight if norm_weight is not None else x, y, part, counters,
         m, n, k, x64.stride(0), y.stride(0), stride_bm, k // 4, eps, row_words, base, k_split,
         split, W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None,
         PROLOGUE=prologue, EVEN=even,

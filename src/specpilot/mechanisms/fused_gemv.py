@@ -18,11 +18,12 @@ Knob ``matrices`` picks which of these run fused; ``max_m`` the rows up to which
 and wider verifies keep cuBLAS and the separate kernels); ``block_n``, ``block_k``,
 ``num_warps`` the GEMV's tiling. The cost prediction is ``fused_gemv_cost.py``.
 
-With W12: a matrix that another mechanism reads from its own storage (``linear_fns``, i.e. W12)
-stays W12's and is not fused (``Forward.fused``): W12 saves a quarter of the matrix's bytes, far
-more than one small kernel, and its escape gathers would need the fused prologue too. So
-``w12 layers=gate_up_qkv`` (its M = 1 choice) composes with this mechanism fusing ``o`` and
-``down``; the norms before qkv and gate_up then stay separate kernels.
+With W12: a matrix that W12 serves (its ``linear_fns`` entry) keeps its W12 weights and is fused
+in the W12 GEMV (the same kernel, decoding in registers; the escape gathers go through the same
+prologue) where W12's table picks the GEMV (M <= 2 on the H200) and W12's ``max_m`` allows;
+elsewhere (W12's tl.dot kernel at larger M) the matrix stays W12's, unfused. So
+``w12 layers=gate_up_qkv`` with this mechanism at ``matrices=all`` removes all five kernels at
+M = 1 and keeps W12's bytes. Any other ``linear_fns`` kernel keeps its matrix unfused.
 
 Why it is lossless (the near-tie contract, ``forcing/tolerance.py``): the fused kernels perform the
 unfused kernels' rounding steps in the same order — RMSNorm: fp32 statistics, ``bf16(x · r)``,
@@ -48,6 +49,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
+    from specpilot.kernels.fused_gemv import Weight
     from specpilot.kernels.w12_gemv import GemvConfig
     from specpilot.models.transformer import DecoderLayer, Transformer
 
@@ -68,7 +70,12 @@ def _rows(x: Tensor) -> Tensor:  # [M, N]: unit column stride, as the epilogue r
 
 
 class FusedLinears:
-    """One decoder layer's fused GEMVs (``DecoderLayer.fused_steps``, ``models/forward.FusedSteps``)."""
+    """One decoder layer's fused GEMVs (``DecoderLayer.fused_steps``, ``models/forward.FusedSteps``).
+
+    A matrix whose ``linear_fns`` entry is a W12 kernel (looked up at each call, so the install
+    order does not matter) is fused in the W12 GEMV, for the rows where W12's kernel table
+    (``kernels/w12_linear.CHOSEN``) picks the GEMV and within W12's ``max_m``; any other
+    ``linear_fns`` entry keeps its matrix unfused."""
 
     def __init__(
         self, layer: DecoderLayer, names: tuple[str, ...], max_m: int, gemv: GemvConfig, eps: float
@@ -86,34 +93,60 @@ class FusedLinears:
                 )
             self.weights[name] = w
             self.counters[name] = counter_buffer(w.shape[0], w.device)
+        self.linear_fns = layer.linear_fns  # the layer's own dict: W12 may be installed later
         self.max_m = max_m
         self.gemv = gemv
         self.eps = eps
         self.calls = 0
         """Fused launches so far (tests check that the forward reached them)."""
+        self.w12_calls = 0
+        """Of those, launches of the W12 GEMV."""
+
+    def _kernel(self, name: str, rows: int) -> tuple[Weight, Tensor, GemvConfig, bool] | None:
+        """(weights, counters, tiling, W12's PTX decoder?) for ``rows`` rows of ``name``, or
+        None: unfused."""
+        fn = self.linear_fns.get(name)
+        if fn is None:
+            return self.weights[name], self.counters[name], self.gemv, False
+        from specpilot.kernels.w12_linear import choice_for
+        from specpilot.mechanisms.w12 import W12Linear
+
+        if not isinstance(fn, W12Linear) or rows > fn.max_m:
+            return None
+        choice = choice_for(rows)
+        if choice.gemv is None:
+            return None
+        return fn.w12, fn.counters, choice.gemv, fn.prmt
 
     def takes(self, name: str, rows: int) -> bool:
-        return name in self.weights and 1 <= rows <= self.max_m
+        if name not in self.weights or not 1 <= rows <= self.max_m:
+            return False
+        return self._kernel(name, rows) is not None
+
+    def _take(self, name: str, rows: int) -> tuple[Weight, Tensor, GemvConfig, bool]:
+        k = self._kernel(name, rows)
+        assert k is not None, "Forward asks takes() first"
+        self.calls += 1
+        self.w12_calls += not isinstance(k[0], Tensor)
+        return k
 
     def norm_linear(self, name: str, x: Tensor, norm_weight: Tensor, bias: Tensor | None) -> Tensor:
         from specpilot.kernels.fused_gemv import norm_gemv
 
-        self.calls += 1
-        w = self.weights[name]
-        return norm_gemv(x, norm_weight, self.eps, w, self.counters[name], bias, cfg=self.gemv)
+        w, c, cfg, ptx = self._take(name, x.shape[0])
+        return norm_gemv(x, norm_weight, self.eps, w, c, bias, cfg=cfg, ptx=ptx)
 
     def linear_residual(self, name: str, x: Tensor, a: Tensor) -> Tensor:
         from specpilot.kernels.fused_gemv import residual_gemv
 
-        self.calls += 1
-        return residual_gemv(a, self.weights[name], self.counters[name], _rows(x), cfg=self.gemv)
+        w, c, cfg, ptx = self._take(name, a.shape[0])
+        return residual_gemv(a, w, c, _rows(x), cfg=cfg, ptx=ptx)
 
     def silu_linear_residual(self, name: str, x: Tensor, gate_up: Tensor) -> Tensor:
         from specpilot.kernels.fused_gemv import silu_gemv
 
-        self.calls += 1
-        w = self.weights[name]
-        return silu_gemv(gate_up, w, self.counters[name], residual=_rows(x), cfg=self.gemv)
+        w, c, cfg, ptx = self._take(name, x.shape[0])
+        return silu_gemv(gate_up, w, c, residual=_rows(x), cfg=cfg, ptx=ptx)
 
 
 def install(

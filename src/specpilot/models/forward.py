@@ -17,8 +17,8 @@ Two ways to run the small ops, numerically the stock ones up to rounding:
 
 Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12),
 ``DecoderLayer.fused_steps`` (kernels that fold a norm, SiLU·mul or the residual add into a
-matrix's GEMV for few rows, ``mechanisms/fused_gemv.py``; the Triton path only, and never for a
-matrix that ``linear_fns`` serves), ``DecoderLayer.phase_hooks`` (work launched before a step of the layer body that changes no value,
+matrix's GEMV for few rows, ``mechanisms/fused_gemv.py``; the Triton path only),
+``DecoderLayer.phase_hooks`` (work launched before a step of the layer body that changes no value,
 e.g. the L2 prefetch of ``mechanisms/l2_prefetch.py``; the steps are ``PHASE_POINTS``) and
 ``Transformer.argmax_head`` (the LM-head argmax). On the CPU a one-row product uses the
 layer's ``[in, out]`` copy when the model keeps one (``Transformer.add_gemv_copies``).
@@ -79,7 +79,8 @@ class FusedSteps(Protocol):
     unfused steps compute, rounded the same way up to fp32 summation order."""
 
     def takes(self, name: str, rows: int) -> bool:
-        """Whether a fused kernel serves matrix ``name`` for ``rows`` rows."""
+        """Whether a fused kernel serves matrix ``name`` for ``rows`` rows; False for a matrix
+        that ``linear_fns`` serves from another storage unless the fused kernel reads that."""
         ...
 
     def norm_linear(
@@ -178,10 +179,9 @@ class Forward(Generic[NetT]):
 
     def fused(self, layer: DecoderLayer, name: str, rows: int) -> FusedSteps | None:
         """The layer's fused kernels when they serve matrix ``name`` for ``rows`` rows: only on
-        the Triton path (the stock forward keeps the stock ops) and not for a matrix that a
-        ``linear_fns`` kernel reads from its own storage (W12 wins its matrices)."""
+        the Triton path (the stock forward keeps the stock ops)."""
         f = layer.fused_steps
-        if f is None or not self.use_triton or name in layer.linear_fns:
+        if f is None or not self.use_triton:
             return None
         return f if f.takes(name, rows) else None
 
