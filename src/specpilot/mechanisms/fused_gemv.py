@@ -61,8 +61,8 @@ MATRIX_SETS = {
     "o_down": ("w_o", "w_down"),
 }
 """Knob ``matrices``: which GEMVs run fused (qkv, gate_up: the norm before them; down: SiLU·mul
-and the residual; o: the residual). ``o_down`` is what is left to fuse beside W12's
-``gate_up_qkv``."""
+and the residual; o: the residual). ``o_down``: the residual epilogues and SiLU·mul only, the
+norms stay separate kernels."""
 
 
 def _rows(x: Tensor) -> Tensor:  # [M, N]: unit column stride, as the epilogue reads it
@@ -215,7 +215,7 @@ MECHANISM = Mechanism(
             "all",
             choices=tuple(MATRIX_SETS),
             doc="which GEMVs run fused: qkv and gate_up take the norm before them, down the "
-            "SiLU·mul and the residual, o the residual (o_down: beside W12's gate_up_qkv)",
+            "SiLU·mul and the residual, o the residual",
         ),
         Knob("max_m", 1, choices=(1, 2, 4), doc="rows up to which the fused GEMVs run"),
         Knob("block_n", 32, choices=(16, 32, 64), doc="weight rows per program"),
