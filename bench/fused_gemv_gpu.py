@@ -20,7 +20,9 @@
    the CUDA-graph forward at widths 1, 2, 4 (AR step and verifies of 1 and 3 drafts), stock and
    fused interleaved, beside two predictions: from step 2's kernel medians, ``stock − layers ·
    Σ_m (t_cublas − t_fused)``, and from the cost model (``mechanisms/fused_gemv_cost.py``, the
-   GPU_PATH per-kernel costs and step 2's measured bandwidth fractions).
+   GPU_PATH per-kernel costs and step 2's measured bandwidth fractions). Unless ``--no-w12``, also
+   W12 on qkv + gate_up (``w12 layers=gate_up_qkv max_m=1``, its M = 1 choice) alone and with the
+   fused GEMVs (qkv and gate_up then fused in the W12 GEMV), each token-forced: which wins.
 
 JSON to ``--out/fused_gemv_gpu.json`` (rewritten after every matrix); the short table is last.
 
@@ -229,13 +231,28 @@ def summarize(mats: dict[str, Any], ms: tuple[int, ...]) -> dict[str, Any]:
     return out
 
 
-def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int) -> dict[str, Any]:
-    """Tokens and token forcing with the mechanism, then forward times stock vs fused."""
-    from specpilot.bench.gpu_suite import _verify_engine
+def _checked_tokens(target: Any, prompt: list[int], n_tok: int, stock: list[int]) -> dict[str, Any]:
+    """Greedy tokens of an engine built now (what is installed now), against the stock tokens
+    and token-forced against the stock forward."""
     from specpilot.engine import Engine, generate
     from specpilot.forcing import force_tokens
+
+    toks = generate(Engine(target), [prompt], n_tok)[0].tokens
+    report = force_tokens(target, [("p0", prompt, toks)])
+    diverge = [i for i, (a, b) in enumerate(zip(stock, toks, strict=True)) if a != b]
+    return {"tokens_equal_to_stock": f"{n_tok - len(diverge)}/{n_tok}",
+            "first_divergence": diverge[0] if diverge else None,
+            "forcing_mismatches": report.mismatches, "forcing_near_ties": report.near_ties}  # fmt: skip
+
+
+def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int, w12: bool) -> dict[str, Any]:  # fmt: skip
+    """Tokens and token forcing with the mechanism, then forward times: stock, fused, and with
+    ``w12`` also W12 on qkv + gate_up (its M = 1 choice) alone and with the fused GEMVs."""
+    from specpilot.bench.gpu_suite import _verify_engine
+    from specpilot.engine import Engine, generate
     from specpilot.mechanisms.fused_gemv import install
     from specpilot.mechanisms.fused_gemv_cost import predict
+    from specpilot.mechanisms.w12 import install as install_w12
     from specpilot.synthetic import build_target
 
     target = build_target("tiny-llama" if tiny else "llama3-8b", dev, torch.bfloat16, max_positions=2048)  # fmt: skip
@@ -243,9 +260,14 @@ def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int) -> dict
     rng = random.Random(0)
     prompt = [rng.randrange(cfg.vocab_size) for _ in range(64)]
     widths, iters, n_tok = (1, 2) if tiny else (1, 2, 4), 1 if tiny else 20, 4 if tiny else 32
-    stock_eng = _verify_engine(target, prompt, 4)
-    for w in widths:  # capture the stock graphs before the mechanism is installed
-        stock_eng.time_forward(w, 1)
+    engines: dict[str, Any] = {}
+
+    def capture(label: str) -> None:  # an engine whose graphs hold what is installed now
+        engines[label] = _verify_engine(target, prompt, 4)
+        for w in widths:
+            engines[label].time_forward(w, 1)
+
+    capture("stock")
     stock_tokens = generate(Engine(target), [prompt], n_tok)[0].tokens
     best = res.get("summary", {}).get("1", {}).get("best_fused_config")
     knobs = dict(kv.split("=") for kv in best.split(",")) if best else {}
@@ -253,44 +275,48 @@ def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int) -> dict
     if tiny:
         gemv = {"block_n": 32, "block_k": 64}
     fused = install(target, "all", max_m=4, **gemv)
-    fused_eng = _verify_engine(target, prompt, 4)
-    fused_tokens = generate(Engine(target), [prompt], n_tok)[0].tokens
-    report = force_tokens(target, [("p0", prompt, fused_tokens)])
-    pairs = list(zip(stock_tokens, fused_tokens, strict=True))
-    diverge = [i for i, (a, b) in enumerate(pairs) if a != b]
-    out: dict[str, Any] = {
-        "knobs": {"matrices": "all", "max_m": 4, **gemv},
-        "tokens_equal_to_stock": f"{len(pairs) - len(diverge)}/{n_tok}",
-        "first_divergence": diverge[0] if diverge else None,
-        "forcing_mismatches": report.mismatches,
-        "forcing_near_ties": report.near_ties,
-        "fused_calls": sum(f.calls for f in fused),
-        "widths": {},
-    }
-    times: dict[str, dict[int, list[float]]] = {"stock": {w: [] for w in widths}, "fused": {w: [] for w in widths}}  # fmt: skip
-    for _ in range(rounds):
-        for label, eng in (("stock", stock_eng), ("fused", fused_eng)):
+    capture("fused")
+    out: dict[str, Any] = {"knobs": {"matrices": "all", "max_m": 4, **gemv}, "checks": {},
+                           "widths": {}}  # fmt: skip
+    out["checks"]["fused"] = _checked_tokens(target, prompt, n_tok, stock_tokens)
+    out["fused_calls"] = sum(f.calls for f in fused)
+    if w12:
+        install_w12(target, layers="gate_up_qkv", max_m=1)
+        capture("w12+fused")
+        out["checks"]["w12+fused"] = _checked_tokens(target, prompt, n_tok, stock_tokens)
+        out["w12_fused_calls"] = sum(f.w12_calls for f in fused)
+        for layer in target.layers:
+            layer.fused_steps = None
+        capture("w12")
+        out["checks"]["w12"] = _checked_tokens(target, prompt, n_tok, stock_tokens)
+        for layer, f in zip(target.layers, fused, strict=True):
+            layer.fused_steps = f
+    times: dict[str, dict[int, list[float]]] = {k: {w: [] for w in widths} for k in engines}
+    for _ in range(rounds):  # interleaved: every engine and width once per round
+        for label, eng in engines.items():
             for w in widths:
                 times[label][w].append(eng.time_forward(w, iters))
     kern = res.get("matrices", {})
     for w in widths:
-        st, fu = statistics.median(times["stock"][w]), statistics.median(times["fused"][w])
-        row: dict[str, Any] = {"stock_ms": 1e3 * st, "fused_ms": 1e3 * fu, "speedup": st / fu,
-                               "stock_spread_ms": [1e3 * min(times["stock"][w]), 1e3 * max(times["stock"][w])],
-                               "fused_spread_ms": [1e3 * min(times["fused"][w]), 1e3 * max(times["fused"][w])]}  # fmt: skip
+        st = statistics.median(times["stock"][w])
+        row: dict[str, Any] = {}
+        for label, ts in times.items():
+            med = statistics.median(ts[w])
+            row[label] = {"ms": 1e3 * med, "spread_ms": [1e3 * min(ts[w]), 1e3 * max(ts[w])],
+                          "speedup": st / med}  # fmt: skip
         saved = res.get("summary", {}).get(str(w), {}).get("saved_us_per_layer")
         if saved is not None and not tiny:  # tiny: H200 kernel costs do not apply
-            row["predicted_ms_kernels"] = 1e3 * (st - cfg.num_layers * saved * 1e-6)
+            row["fused"]["predicted_ms_kernels"] = 1e3 * (st - cfg.num_layers * saved * 1e-6)
         try:
             if tiny:
                 raise ValueError("the cost model's kernel costs are the H200's")
             cub = {m: kern[m]["rows"][str(w)]["cublas"]["roofline_frac"] for m in MATRICES}
             fus = {m: kern[m]["rows"][str(w)]["fused"]["roofline_frac"] for m in MATRICES}
             p = predict(cfg, res["copy_TBps"] * 1e12, "all", rows=w, cublas_eff=cub, fused_eff=fus)
-            row["predicted_ms_costmodel"] = 1e3 * (st - p.saved_s)
-            row["costmodel_kernels_removed"] = p.kernels_removed
+            row["fused"]["predicted_ms_costmodel"] = 1e3 * (st - p.saved_s)
+            row["fused"]["costmodel_kernels_removed"] = p.kernels_removed
         except (KeyError, ValueError) as e:
-            row["costmodel_error"] = f"{type(e).__name__}: {e}"[:200]
+            row["fused"]["costmodel_error"] = f"{type(e).__name__}: {e}"[:200]
         out["widths"][str(w)] = row
     return out
 
@@ -318,17 +344,23 @@ def table(res: dict[str, Any]) -> str:
     if "error" in e:
         lines.append(f"e2e ERROR {e['error'][:200]}")
     elif e:
-        lines.append(f"e2e tokens equal {e['tokens_equal_to_stock']}  forcing mismatches {e['forcing_mismatches']}  near-ties {e['forcing_near_ties']}  knobs {e['knobs']}")  # fmt: skip
+        lines.append(f"e2e knobs {e['knobs']}")
+        for label, c in e["checks"].items():
+            lines.append(f"  {label:>9}: tokens equal {c['tokens_equal_to_stock']}  forcing mismatches {c['forcing_mismatches']}  near-ties {c['forcing_near_ties']}")  # fmt: skip
         for w, r in e["widths"].items():
-            pk, pc = r.get("predicted_ms_kernels"), r.get("predicted_ms_costmodel")
-            lines.append(f"  forward width {w}: stock {r['stock_ms']:.3f} ms  fused {r['fused_ms']:.3f} ms  x{r['speedup']:.3f}"
-                         f"  predicted (kernel times) {pk if pk is None else f'{pk:.3f}'}  (cost model) {pc if pc is None else f'{pc:.3f}'}")  # fmt: skip
+            cells = "  ".join(f"{k} {v['ms']:.3f} ms x{v['speedup']:.3f}" for k, v in r.items())
+            pk, pc = (
+                r["fused"].get("predicted_ms_kernels"),
+                r["fused"].get("predicted_ms_costmodel"),
+            )
+            lines.append(f"  forward width {w}: {cells}  | fused predicted (kernel times) {pk if pk is None else f'{pk:.3f}'}  (cost model) {pc if pc is None else f'{pc:.3f}'}")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
     started = time.perf_counter()
-    args, dev, copy_bw = kernel_bench_setup(__doc__, 90.0)
+    no_w12 = ("--no-w12", "e2e without the W12 variants (W12 alone, W12 + fused)")
+    args, dev, copy_bw = kernel_bench_setup(__doc__, 90.0, [no_w12])
     mats = TINY_MATRICES if args.tiny else MATRICES
     args.ms = (1, 3) if args.tiny else MS
     import triton
@@ -358,7 +390,7 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=1))
     if not args.no_e2e:
         try:
-            res["e2e"] = e2e(dev, res, args.tiny, args.rounds if not args.tiny else 1)
+            res["e2e"] = e2e(dev, res, args.tiny, args.rounds, not args.no_w12)
         except Exception as e:
             res["e2e"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
     res["wall_s"] = time.perf_counter() - started
