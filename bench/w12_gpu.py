@@ -141,6 +141,33 @@ def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int)
         return start.elapsed_time(end) / 1e3 / n
 
 
+def kernel_bench_setup(
+    doc: str | None, budget_s: float, flags: Sequence[tuple[str, str]] = ()
+) -> tuple[argparse.Namespace, torch.device, float]:
+    """The kernel scripts' shared arguments (``--out --tiny --budget-s --rounds --reps
+    --no-e2e``, plus the script's own on/off ``flags``: (name, help)), the device (exits without
+    CUDA unless ``--tiny``: the interpreter) and the copy bandwidth measured now; ``--tiny``
+    takes one round of one rep."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
+    ap.add_argument("--budget-s", type=float, default=budget_s, help="stop sweeping after this")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=6, help="calls per copy in one timed graph")
+    ap.add_argument("--no-e2e", action="store_true")
+    for name, help_text in flags:
+        ap.add_argument(name, action="store_true", help=help_text)
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" and not args.tiny:
+        sys.exit("No CUDA GPU: run with --tiny (CPU, Triton interpreter).")
+    if args.tiny:
+        args.rounds, args.reps = 1, 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    nbytes = (1 << 20) if args.tiny else (2 << 30)
+    return args, dev, max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write
+
+
 def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy, counting the read and the write."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).fill_(1.0)

@@ -47,7 +47,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from w12_gpu import LLAMA3_8B, copy_bandwidth, error_ratio, time_calls
+from w12_gpu import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 
 from specpilot.bench.records import git_rev
 from specpilot.costmodel.weight_format import predicted_w12_forward_s
@@ -303,25 +303,10 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
-    ap.add_argument("--budget-s", type=float, default=110.0, help="stop sweeping after this")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=6, help="calls per copy in one timed graph")
-    ap.add_argument("--no-e2e", action="store_true")
-    args = ap.parse_args()
     started = time.perf_counter()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda" and not args.tiny:
-        sys.exit("No CUDA GPU: run with --tiny (CPU, Triton interpreter).")
+    args, dev, copy_bw = kernel_bench_setup(__doc__, 110.0)
     shapes = {"a": (32, 128)} if args.tiny else LLAMA3_8B
     args.ms = (1, 3) if args.tiny else MS
-    if args.tiny:
-        args.rounds, args.reps = 1, 1
-    args.out.mkdir(parents=True, exist_ok=True)
-    nbytes = (1 << 20) if args.tiny else (2 << 30)
-    copy_bw = max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
         "commit": git_rev(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),

@@ -121,7 +121,7 @@ def _int8_kernel(
 
     _store_tile(
         acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok,
-        stride_ym, M, N, pid_m, pid_n, pid_k, split, True, HAS_BIAS, MAX_SPLIT, INTERPRET,
+        stride_ym, 0, M, N, pid_m, pid_n, pid_k, split, True, HAS_BIAS, MAX_SPLIT, INTERPRET,
     )  # fmt: skip
 
 

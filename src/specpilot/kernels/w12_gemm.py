@@ -166,20 +166,23 @@ def _tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _store_tile(
     acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-    M, N, pid_m, pid_n, pid_k, split,
+    stride_bm, M, N, pid_m, pid_n, pid_k, split,
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Write one ``[BM, BN]`` fp32 tile as bf16 (× per-column scale, + bias). With split-K it is
     stored as a partial; the last split to arrive sums every partial in split order (so the
-    result is deterministic), finishes the tile and re-arms the tile's counter."""
+    result is deterministic), finishes the tile and re-arms the tile's counter. ``stride_bm``:
+    the bias's row stride, 0 for a ``[N]`` bias; an ``[M, N]`` addend (a residual, added in fp32
+    before the one rounding, as ``torch.addmm`` does) has its row stride there."""
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    b_ptrs = bias_ptr + offs_m[:, None] * stride_bm + offs_n[None, :]
     if split == 1:
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
-            acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+            acc += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
         tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
     else:
         tile_off = offs_m[:, None] * N + offs_n[None, :]
@@ -199,7 +202,7 @@ def _store_tile(
             if HAS_SCALE:
                 total = total * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
             if HAS_BIAS:
-                total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
+                total += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
             tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
@@ -470,7 +473,7 @@ def _linear_kernel(
 
     _store_tile(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-        M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+        0, M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
     )  # fmt: skip
 
 

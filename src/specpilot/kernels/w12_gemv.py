@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specpilot.kernels.gemv_prologue import _inv_rms, _prologue, _row_step, _split_words
 from specpilot.kernels.w12_decode import decode_words_f32_ops, decode_words_f32_ptx
 from specpilot.kernels.w12_gemm import (
     MAX_SPLIT_K,
@@ -50,44 +51,20 @@ from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, W12Tensor
 _ESC_ROWS = tl.constexpr(ESC_ROWS)
 MAX_ROWS = 4
 """Most activation rows one GEMV launch takes (each row costs one FMA per weight)."""
-
-
-@triton.jit
-def _split_words(w):
-    """int64 words of 4 bf16 -> the 4 values as fp32 (exact: bf16 bits in the high half)."""
-    lo = w.to(tl.int32)
-    hi = (w >> 32).to(tl.int32)
-    return (
-        (lo << 16).to(tl.float32, bitcast=True),
-        (lo & -65536).to(tl.float32, bitcast=True),
-        (hi << 16).to(tl.float32, bitcast=True),
-        (hi & -65536).to(tl.float32, bitcast=True),
-    )
-
-
-@triton.jit
-def _fma8(acc, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb):
-    """``acc [BN, W] += Σ_i w_i * x_i`` for the 8 columns of a word pair (x: int64 words)."""
-    x0, x1, x2, x3 = _split_words(xa)
-    x4, x5, x6, x7 = _split_words(xb)
-    acc += w0 * x0[None, :]
-    acc += w1 * x1[None, :]
-    acc += w2 * x2[None, :]
-    acc += w3 * x3[None, :]
-    acc += w4 * x4[None, :]
-    acc += w5 * x5[None, :]
-    acc += w6 * x6[None, :]
-    acc += w7 * x7[None, :]
-    return acc
+PROLOGUE_NONE, PROLOGUE_NORM, PROLOGUE_SILU = 0, 1, 2
+"""What the bf16 GEMV does to ``x`` as it reads it (``kernels/fused_gemv.py``)."""
 
 
 @triton.jit
 def _escapes(
     e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr, stride_x16,
-    rec_ptr, val_ptr, ROWS: tl.constexpr, ESC_STEP: tl.constexpr,
+    rec_ptr, val_ptr, g16_ptr, inv, up_cols, ROWS: tl.constexpr, ESC_STEP: tl.constexpr,
+    PROLOGUE: tl.constexpr,
 ):  # fmt: skip
     """Load one chunk of this program's escape records starting at ``e0``: the products to add,
-    ``x·w`` and ``x·p`` as ``[ROWS, E]`` fp32 with their output columns ``hit [E, BN]``."""
+    ``x·w`` and ``x·p`` as ``[ROWS, E]`` fp32 with their output columns ``hit [E, BN]``. The
+    gathered activations go through the prologue as the dense loop's do (``g16_ptr``: the norm
+    weights, ``inv [ROWS]``: 1 / RMS; ``up_cols``: the up half's offset in a gate_up row)."""
     idx = e0 + tl.arange(0, ESC_STEP)  # [E]
     valid = idx < e_end
     rec = tl.load(rec_ptr + idx, mask=valid, other=0)
@@ -101,6 +78,12 @@ def _escapes(
     x_mask = (m_rows[:, None] < M) & ok[None, :]
     xe = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + k_e[None, :], mask=x_mask, other=0.0)
     xe = _bf16_to_f32(xe)  # [ROWS, E]
+    if PROLOGUE == 1:
+        ge = _bf16_to_f32(tl.load(g16_ptr + k_e, mask=ok, other=0.0))  # [E]
+        xe = _prologue(xe, ge[None, :], inv[:, None], PROLOGUE)
+    elif PROLOGUE == 2:
+        up = tl.load(x16_ptr + m_rows[:, None] * stride_x16 + up_cols + k_e[None, :], mask=x_mask, other=0.0)  # fmt: skip
+        xe = _prologue(xe, _bf16_to_f32(up), inv[:, None], PROLOGUE)
     v_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     w_e = (v_bits << 16).to(tl.float32, bitcast=True)  # [E]
     p_e = (((v_bits & 0x807F) | (base << 7)) << 16).to(tl.float32, bitcast=True)
@@ -153,7 +136,9 @@ def _gemv_kernel(
     off_ptr,  # [ceil(N/16) + 1] int32
     rec_ptr,  # [n_esc] int32
     val_ptr,  # [n_esc] bf16
-    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    bias_ptr,  # [N] bf16, or [M, N] with row stride stride_bm (a residual) (HAS_BIAS)
+    g64_ptr,  # [K / 4] int64 words of the RMSNorm weights (PROLOGUE == 1)
+    g16_ptr,  # the same memory as bf16 (escape gathers)
     y_ptr,  # [M, N] bf16, row stride stride_ym
     part_ptr,  # [split, M, N] fp32 (split > 1)
     count_ptr,  # [tiles] int32 (split > 1)
@@ -162,6 +147,9 @@ def _gemv_kernel(
     K,
     stride_x64,
     stride_ym,
+    stride_bm,  # 0 for a bias
+    up_words,  # PROLOGUE == 2: int64 words from a gate_up row's start to its up half (K / 4)
+    eps,  # PROLOGUE == 1
     row_words,  # weight words per row: Kp / 4 (W12) or K / 4 (bf16)
     base,
     k_split,  # columns per split, a multiple of BLOCK_K
@@ -169,6 +157,7 @@ def _gemv_kernel(
     W12: tl.constexpr,
     PTX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # 0: x as given; 1: RMSNorm(x); 2: silu(gate) * up of x = gate_up
     EVEN: tl.constexpr,  # N % BLOCK_N == 0 and K % k_split == 0: no masks on the weights
     ROWS: tl.constexpr,  # power of two >= M
     BLOCK_N: tl.constexpr,
@@ -189,6 +178,18 @@ def _gemv_kernel(
     lo = (jw // 8) * 16 + (jw % 8)  # [BW] sm (or bf16) word of the first half, from k0 / 4
     hi = lo + 8
 
+    inv = tl.zeros((ROWS,), dtype=tl.float32)  # each row's 1 / RMS (PROLOGUE == 1)
+    inv0 = 0.0
+    inv1 = 0.0
+    inv2 = 0.0
+    inv3 = 0.0
+    if PROLOGUE == 1:  # the whole row's statistics, read from L2 (by every program)
+        inv = _inv_rms(x16_ptr, stride_x64 * 4, m_rows, M, K, eps, ROWS, BLOCK_K)  # [ROWS]
+        inv0 = tl.sum(tl.where(m_rows == 0, inv, 0.0))
+        inv1 = tl.sum(tl.where(m_rows == 1, inv, 0.0))
+        inv2 = tl.sum(tl.where(m_rows == 2, inv, 0.0))
+        inv3 = tl.sum(tl.where(m_rows == 3, inv, 0.0))
+
     if W12:  # the first chunk of escapes, fetched now so that it arrives during the K loop
         NB: tl.constexpr = BLOCK_N // _ESC_ROWS
         n_blocks = (N + _ESC_ROWS - 1) // _ESC_ROWS
@@ -199,7 +200,8 @@ def _gemv_kernel(
         e_end = tl.load(off_ptr + tl.minimum(blk0 + NB, n_blocks))
         pw, pp, hit = _escapes(
             e_start, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
-            stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+            stride_x64 * 4, rec_ptr, val_ptr, g16_ptr, inv, up_words * 4, ROWS, ESC_STEP,
+            PROLOGUE,
         )  # fmt: skip
     base4 = base * 0x01010101
 
@@ -223,20 +225,32 @@ def _gemv_kernel(
         xa_ok = (wofs + lo) * 4 < k_hi
         xb_ok = (wofs + hi) * 4 < k_hi
         x_row = x64_ptr + wofs
-        xa = tl.load(x_row + lo, mask=xa_ok, other=0)
-        xb = tl.load(x_row + hi, mask=xb_ok, other=0)
-        acc0 = _fma8(acc0, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+        ga = xa_ok  # the norm weights' words at this step (PROLOGUE == 1), else unused
+        gb = xb_ok
+        if PROLOGUE == 1:
+            ga = tl.load(g64_ptr + wofs + lo, mask=xa_ok, other=0)
+            gb = tl.load(g64_ptr + wofs + hi, mask=xb_ok, other=0)
+        acc0 = _row_step(
+            acc0, w0, w1, w2, w3, w4, w5, w6, w7, x_row, lo, hi, xa_ok, xb_ok, ga, gb,
+            up_words, inv0, PROLOGUE,
+        )  # fmt: skip
         if ROWS > 1:
-            xa = tl.load(x_row + stride_x64 + lo, mask=xa_ok & (jw * 0 + 1 < M), other=0)
-            xb = tl.load(x_row + stride_x64 + hi, mask=xb_ok & (jw * 0 + 1 < M), other=0)
-            acc1 = _fma8(acc1, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+            acc1 = _row_step(
+                acc1, w0, w1, w2, w3, w4, w5, w6, w7, x_row + stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 1 < M), xb_ok & (jw * 0 + 1 < M), ga, gb, up_words, inv1,
+                PROLOGUE,
+            )  # fmt: skip
         if ROWS > 2:
-            xa = tl.load(x_row + 2 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 2 < M), other=0)
-            xb = tl.load(x_row + 2 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 2 < M), other=0)
-            acc2 = _fma8(acc2, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
-            xa = tl.load(x_row + 3 * stride_x64 + lo, mask=xa_ok & (jw * 0 + 3 < M), other=0)
-            xb = tl.load(x_row + 3 * stride_x64 + hi, mask=xb_ok & (jw * 0 + 3 < M), other=0)
-            acc3 = _fma8(acc3, w0, w1, w2, w3, w4, w5, w6, w7, xa, xb)
+            acc2 = _row_step(
+                acc2, w0, w1, w2, w3, w4, w5, w6, w7, x_row + 2 * stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 2 < M), xb_ok & (jw * 0 + 2 < M), ga, gb, up_words, inv2,
+                PROLOGUE,
+            )  # fmt: skip
+            acc3 = _row_step(
+                acc3, w0, w1, w2, w3, w4, w5, w6, w7, x_row + 3 * stride_x64, lo, hi,
+                xa_ok & (jw * 0 + 3 < M), xb_ok & (jw * 0 + 3 < M), ga, gb, up_words, inv3,
+                PROLOGUE,
+            )  # fmt: skip
 
     # [ROWS, BN]: row r of the output tile is acc_r summed over its word slots
     sel = m_rows[:, None]
@@ -252,14 +266,15 @@ def _gemv_kernel(
         while e0 < e_end:  # more escapes than one chunk in these rows: rare
             pw, pp, hit = _escapes(
                 e0, e_end, blk0, starts, offs_n, m_rows, M, K, k_lo, k_hi, base, x16_ptr,
-                stride_x64 * 4, rec_ptr, val_ptr, ROWS, ESC_STEP,
+                stride_x64 * 4, rec_ptr, val_ptr, g16_ptr, inv, up_words * 4, ROWS, ESC_STEP,
+                PROLOGUE,
             )  # fmt: skip
             acc = _apply_escapes(acc, pw, pp, hit)
             e0 += ESC_STEP
 
     _store_tile(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, m_rows, offs_n, m_rows < M, n_ok,
-        stride_ym, M, N, 0, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+        stride_ym, stride_bm, M, N, 0, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
     )  # fmt: skip
 
 
@@ -309,10 +324,30 @@ def _launch(
     counters: Tensor,
     cfg: GemvConfig,
     ptx: bool,
+    prologue: int = PROLOGUE_NONE,
+    norm_weight: Tensor | None = None,  # [K] bf16 (PROLOGUE_NORM)
+    eps: float = 0.0,
+    residual: Tensor | None = None,  # [M, N] bf16, added before the one rounding
 ) -> Tensor:  # [M, N] bf16
+    """``prologue``: ``PROLOGUE_NORM`` normalises ``x`` in the kernel; ``PROLOGUE_SILU`` reads
+    ``x`` as ``gate_up [M, 2K]`` and multiplies by ``silu(gate) * up`` (either weight format)."""
     m, k = x.shape
+    if prologue == PROLOGUE_SILU:
+        k //= 2
     if x.dtype != torch.bfloat16:
         raise ValueError("x must be bf16")
+    if prologue != PROLOGUE_NONE and k % 4:
+        raise ValueError("a fused prologue needs K % 4 == 0")
+    stride_bm = 0
+    if residual is not None:
+        if bias is not None or residual.shape != (m, n) or residual.stride(1) != 1:
+            raise ValueError("the residual is an [M, N] tensor with unit column stride, no bias")
+        bias, stride_bm = residual, residual.stride(0)
+    g64 = None
+    if prologue == PROLOGUE_NORM:
+        if norm_weight is None or norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+            raise ValueError("the RMSNorm prologue needs a contiguous [K] norm weight")
+        g64 = norm_weight.view(torch.int64)
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"the GEMV takes 1..{MAX_ROWS} rows, got {m}")
     split, k_split = _split(n, k, cfg, x.device)
@@ -348,9 +383,11 @@ def _launch(
         row_words, base = k // 4, 0
     _gemv_kernel[grid](
         x64, xw, w_arg, sm32, codes32, offs, recs, vals,
-        bias if bias is not None else x, y, part, counters,
-        m, n, k, x64.stride(0), y.stride(0), row_words, base, k_split, split,
-        W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None, EVEN=even,
+        bias if bias is not None else x, g64 if g64 is not None else x64,
+        norm_weight if norm_weight is not None else x, y, part, counters,
+        m, n, k, x64.stride(0), y.stride(0), stride_bm, k // 4, eps, row_words, base, k_split,
+        split, W12=w12 is not None, PTX=ptx and not interpret, HAS_BIAS=bias is not None,
+        PROLOGUE=prologue, EVEN=even,
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ESC_STEP=ESC_STEP, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -385,4 +422,12 @@ def bf16_gemv(
     return _launch(x, n, w, None, bias, counters, cfg or GemvConfig(), False)
 
 
-__all__ = ["MAX_ROWS", "GemvConfig", "bf16_gemv", "w12_gemv"]
+__all__ = [
+    "MAX_ROWS",
+    "PROLOGUE_NONE",
+    "PROLOGUE_NORM",
+    "PROLOGUE_SILU",
+    "GemvConfig",
+    "bf16_gemv",
+    "w12_gemv",
+]

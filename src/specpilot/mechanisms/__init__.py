@@ -10,6 +10,7 @@ from specpilot.mechanisms.adaptive_block import MECHANISM as ADAPTIVE_BLOCK
 from specpilot.mechanisms.decode_attn import MECHANISM as SPLIT_KV
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
+from specpilot.mechanisms.fused_gemv import MECHANISM as FUSED_GEMV
 from specpilot.mechanisms.l2_prefetch import MECHANISM as L2_PREFETCH
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
@@ -39,6 +40,7 @@ _ALL: tuple[Mechanism, ...] = (
     FP8_PREFILTER,
     L2_PREFETCH,
     SPLIT_KV,
+    FUSED_GEMV,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

@@ -16,6 +16,8 @@ Two ways to run the small ops, numerically the stock ones up to rounding:
   ``Transformer.forward`` (what token forcing trusts) always uses.
 
 Plug points read here: ``DecoderLayer.linear_fns`` (a mechanism's kernel for a matrix, e.g. W12),
+``DecoderLayer.fused_steps`` (kernels that fold a norm, SiLU·mul or the residual add into a
+matrix's GEMV for few rows, ``mechanisms/fused_gemv.py``; the Triton path only),
 ``DecoderLayer.phase_hooks`` (work launched before a step of the layer body that changes no value,
 e.g. the L2 prefetch of ``mechanisms/l2_prefetch.py``; the steps are ``PHASE_POINTS``),
 ``Transformer.argmax_head`` (the LM-head argmax) and ``Transformer.dense_attention`` (attention
@@ -72,6 +74,30 @@ class Network(Protocol):
 
 
 NetT = TypeVar("NetT", bound=Network)
+
+
+class FusedSteps(Protocol):
+    """A layer's fused GEMVs (plug point ``kernel_choice``): each computes what the named
+    unfused steps compute, rounded the same way up to fp32 summation order."""
+
+    def takes(self, name: str, rows: int) -> bool:
+        """Whether a fused kernel serves matrix ``name`` for ``rows`` rows; False for a matrix
+        that ``linear_fns`` serves from another storage unless the fused kernel reads that."""
+        ...
+
+    def norm_linear(
+        self, name: str, x: Tensor, norm_weight: Tensor, bias: Tensor | None
+    ) -> Tensor:  # [M, K] -> [M, N]: RMSNorm(x) @ W.T (+ bias)
+        ...
+
+    def linear_residual(self, name: str, x: Tensor, a: Tensor) -> Tensor:
+        """``x [M, N] + a [M, K] @ W.T``, one rounding."""
+        ...
+
+    def silu_linear_residual(self, name: str, x: Tensor, gate_up: Tensor) -> Tensor:
+        """``x [M, N] + silu_mul(gate_up [M, 2I]) @ W.T``, one rounding."""
+        ...
+
 
 PHASE_POINTS = (
     "input_norm",
@@ -153,8 +179,19 @@ class Forward(Generic[NetT]):
             return y if b is None else y + b
         return F.linear(a, getattr(layer, name), b)
 
+    def fused(self, layer: DecoderLayer, name: str, rows: int) -> FusedSteps | None:
+        """The layer's fused kernels when they serve matrix ``name`` for ``rows`` rows: only on
+        the Triton path (the stock forward keeps the stock ops)."""
+        f = layer.fused_steps
+        if f is None or not self.use_triton:
+            return None
+        return f if f.takes(name, rows) else None
+
     def linear_residual(self, x: Tensor, a: Tensor, layer: DecoderLayer, name: str) -> Tensor:
         """``x + a @ W.T`` for ``x [M, N]``, ``a [M, K]``, ``W = layer.<name> [N, K]``."""
+        fused = self.fused(layer, name, a.shape[0])
+        if fused is not None:
+            return fused.linear_residual(name, x, a)
         if self.fuse_residual and name not in layer.linear_fns:
             return torch.addmm(x, a, getattr(layer, name).t())
         return x + self.linear(layer, name, a)
@@ -242,16 +279,22 @@ class Forward(Generic[NetT]):
         while the residual stays ``x``. None for every other network."""
         cfg = self.cfg
         at = _phase_hooks(layer)
-        at("input_norm")
-        hn = self.norm(x, layer.input_norm)
-        if attn_prefix is not None:
-            hn = torch.cat([attn_prefix, hn], dim=-1)  # [M, P + hidden]
         conv_a, conv_m = layer.attention_conv, layer.mlp_conv  # DFlash2's block mixes, or None
         rows = lay.block if isinstance(lay, DenseLayout) and lay.block else lay.width
-        if conv_a is not None:
-            hn, dyn_a = conv_a.prepare(hn, rows)
-        at("w_qkv")
-        qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
+        plain_a = attn_prefix is None and conv_a is None
+        fused = self.fused(layer, "w_qkv", x.shape[0]) if plain_a else None
+        at("input_norm")
+        if fused is not None:  # RMSNorm in the qkv GEMV's prologue
+            at("w_qkv")
+            qkv = fused.norm_linear("w_qkv", x, layer.input_norm, layer.b_qkv)
+        else:
+            hn = self.norm(x, layer.input_norm)
+            if attn_prefix is not None:
+                hn = torch.cat([attn_prefix, hn], dim=-1)  # [M, P + hidden]
+            if conv_a is not None:
+                hn, dyn_a = conv_a.prepare(hn, rows)
+            at("w_qkv")
+            qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         at("attention")
         q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
         attn = self.attend(q, k_cache, v_cache, lay)  # [M, H*D]
@@ -261,12 +304,21 @@ class Forward(Generic[NetT]):
         else:
             x = x + conv_a.finish(self.linear(layer, "w_o", attn), dyn_a, rows)
         at("post_attn_norm")
-        hn = self.norm(x, layer.post_attn_norm)
-        if conv_m is not None:
-            hn, dyn_m = conv_m.prepare(hn, rows)
-        at("w_gate_up")
-        gate_up = self.linear(layer, "w_gate_up", hn)  # [M, 2I]
+        fused = self.fused(layer, "w_gate_up", x.shape[0]) if conv_m is None else None
+        if fused is not None:  # RMSNorm in the gate_up GEMV's prologue
+            at("w_gate_up")
+            gate_up = fused.norm_linear("w_gate_up", x, layer.post_attn_norm, None)
+        else:
+            hn = self.norm(x, layer.post_attn_norm)
+            if conv_m is not None:
+                hn, dyn_m = conv_m.prepare(hn, rows)
+            at("w_gate_up")
+            gate_up = self.linear(layer, "w_gate_up", hn)  # [M, 2I]
         at("silu_mul")
+        fused = self.fused(layer, "w_down", x.shape[0]) if conv_m is None else None
+        if fused is not None:  # SiLU·mul in the down GEMV's prologue, the residual in its epilogue
+            at("w_down")
+            return fused.silu_linear_residual("w_down", x, gate_up)
         act = self.silu_mul(gate_up)  # [M, I]
         at("w_down")
         if conv_m is None:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from specpilot.config import ModelConfig
 from specpilot.errors import CheckpointError
 from specpilot.models.block_conv import BlockConv
-from specpilot.models.forward import Forward
+from specpilot.models.forward import Forward, FusedSteps
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
@@ -56,6 +56,9 @@ class DecoderLayer(nn.Module):
         # (``models/forward.PHASE_POINTS``). A hook must not change any value the forward reads
         # (e.g. mechanisms/l2_prefetch.py issues L2 prefetches of the next matrix).
         self.phase_hooks: dict[str, Callable[[], None]] = {}
+        # Plug point "kernel_choice": GEMVs with the norm / SiLU·mul / residual add fused in,
+        # for few rows on the Triton path (e.g. mechanisms/fused_gemv.py); None: unfused.
+        self.fused_steps: FusedSteps | None = None
         self.input_norm = p(h)
         self.post_attn_norm = p(h)
         self.w_qkv = p(qkv, h)
