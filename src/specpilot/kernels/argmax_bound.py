@@ -245,7 +245,18 @@ def block_bounds_ref(head: CheapHead, terms: RowTerms, kc: float) -> tuple[Tenso
         acc = F.linear(terms.xq, head.weight).float()  # [R, V] fp32 sums rounded once to fp16
     else:
         acc = terms.xq.float() @ head.weight.float().t()  # [R, V] exact products, fp32 sums
-    c = acc.mul_(head.scale[None, :]).mul_(terms.x_scale[:, None])  # [R, V] cheap logits
+    return bounds_from_sums(head, terms, kc, acc.mul_(head.scale[None, :]))
+
+
+def bounds_from_sums(
+    head: CheapHead,
+    terms: RowTerms,
+    kc: float,
+    scaled: Tensor,  # [R, V] fp32: fl(cheap sum) · scale[v], consumed (written over)
+) -> tuple[Tensor, Tensor]:
+    """``(upper [R, nb], lower [R, nb])`` from the scaled cheap sums of any kernel that keeps the
+    rounding model (exact products, fp32 sums in any order, one fp32 multiply by the scale)."""
+    c = scaled.mul_(terms.x_scale[:, None])  # [R, V] cheap logits (power-of-two scaling)
     # d = tau + a·beta + b·omega (one rank-2 product: ≤ 4 roundings), + kc·|c|, times PAD.
     ab = torch.stack([terms.a, terms.b], dim=1)  # [R, 2]
     beta_omega = torch.stack([head.beta, head.omega])  # [2, V]

@@ -150,6 +150,14 @@ def _f32_to_bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _out_cast(v, y_ptr, INTERPRET: tl.constexpr):
+    """An fp32 tile in the output's dtype: kept fp32 for an fp32 ``y``, else rounded to bf16."""
+    if y_ptr.dtype.element_ty == tl.float32:
+        return v
+    return _f32_to_bf16(v, INTERPRET)
+
+
+@triton.jit
 def _tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's output tile (grid: N tiles, M tiles, K splits): program ids, row and column
     offsets ``[BM]``, ``[BN]`` with their bounds masks, and its K range ``[k_lo, k_hi)``."""
@@ -170,8 +178,8 @@ def _store_tile(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Write one ``[BM, BN]`` fp32 tile as bf16 (× per-column scale, + bias). With split-K it is
-    stored as a partial; the last split to arrive sums every partial in split order (so the
+    """Write one ``[BM, BN]`` fp32 tile as bf16 (fp32 for an fp32 ``y``) (× per-column scale,
+    + bias). With split-K it is stored as a partial; the last split to arrive sums every partial in split order (so the
     result is deterministic), finishes the tile and re-arms the tile's counter."""
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -180,7 +188,7 @@ def _store_tile(
             acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
+        tl.store(y_ptrs, _out_cast(acc, y_ptr, INTERPRET), mask=out_mask)
     else:
         tile_off = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
@@ -200,7 +208,7 @@ def _store_tile(
                 total = total * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
             if HAS_BIAS:
                 total += _bf16_to_f32(tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0))[None, :]
-            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
+            tl.store(y_ptrs, _out_cast(total, y_ptr, INTERPRET), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
 
