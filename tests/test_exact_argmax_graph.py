@@ -169,14 +169,18 @@ def _engine(case: str, target: Transformer, rng: random.Random) -> Engine:
 
 
 def _check_engine(
-    case: str, seed: int, forced: set[int], hook: Callable[[Engine], None] | None = None
+    case: str,
+    seed: int,
+    forced: set[int],
+    hook: Callable[[Engine], None] | None = None,
+    fused: bool = False,
 ) -> Engine:
     rng = random.Random(f"exact-graph/{case}/{seed}")
     cfg = tiny_config(arch="qwen3", vocab=211, tie=True)
     target = tiny_model(cfg, seed)
     prompts = [repetitive_prompt(rng, cfg.vocab_size, rng.randint(2, 30)) for _ in range(3)]
     want = ar_tokens(target, prompts, 30)
-    head = ForcedAbstain(GraphArgmaxHead(target, candidates=2), forced)
+    head = ForcedAbstain(GraphArgmaxHead(target, candidates=2, use_triton=fused), forced)
     target.argmax_head = head
     engine = _engine(case, target, rng)
     if hook is not None:
@@ -246,6 +250,12 @@ def test_kernels_match_their_references_in_interpreter() -> None:
     assert "exact graph kernels ok" in run_interpreted([str(Path(__file__).resolve()), "kernels"])
 
 
+@pytest.mark.slow
+def test_fused_head_in_the_engine_in_interpreter() -> None:
+    """AR windows and chain verify with the fused head, forced abstains included (~100 s)."""
+    assert "fused engine ok" in run_interpreted([str(Path(__file__).resolve()), "engine"], 600)
+
+
 def _group_kernels() -> None:
     from specpilot.kernels.argmax_bound import block_bounds_ref, prepare_cheap_head, row_terms
     from specpilot.kernels.argmax_certify import (
@@ -293,15 +303,52 @@ def _group_kernels() -> None:
             rtol=1e-12,
             atol=1e-12,
         )
-    model = head_model(300, 64, 9)
-    gh = GraphArgmaxHead(model, candidates=2, use_triton=True)
-    assert gh.counters is not None
-    for r in (1, 6):
-        x = peaked(model, r, g)
-        assert check_call(gh, model, x)
+    _fused_group(g)
     print("exact graph kernels ok")
+
+
+def _fused_group(g: torch.Generator) -> None:
+    """The fused kernels against the torch form; the fused head alone and in the engine."""
+    from specpilot.kernels.argmax_bound import row_terms
+    from specpilot.kernels.argmax_fused import row_terms_fused
+    from specpilot.mechanisms.exact_argmax_cert import stock_rounding
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = head_model(300, 64, 9, dtype=dtype)
+        ref = GraphArgmaxHead(model, candidates=2, use_triton=False)
+        fused = GraphArgmaxHead(model, candidates=2, use_triton=True)
+        assert fused.fused and not ref.fused
+        stock = stock_rounding(dtype, torch.device("cpu"), 64)
+        x = (torch.randn(5, 64, generator=g) * 3).to(dtype)
+        x[1, 3] = float("nan")
+        want = row_terms(x, ref.head, stock.eps, stock.tau, stock.max_logit, 1 + 2 * stock.u_out)
+        got = row_terms_fused(x, ref.head, fused.constants(stock))
+        assert torch.equal(got.ok, want.ok) and not bool(got.ok[1])
+        keep = want.ok
+        assert torch.equal(got.xq[keep], want.xq[keep])
+        assert torch.equal(got.x_scale[keep], want.x_scale[keep])
+        for name in ("a", "b", "tau"):  # rounded up from float64 either way
+            torch.testing.assert_close(getattr(got, name)[keep], getattr(want, name)[keep])
+        torch.testing.assert_close(got.x_norm[keep], want.x_norm[keep], rtol=1e-14, atol=0)
+        agree = 0
+        for r in (1, 6):
+            for xs in (peaked(model, r, g), torch.randn(1, r, 64, generator=g).to(dtype)):
+                ok = check_call(fused, model, xs)
+                agree += ok == check_call(ref, model, xs)
+        assert agree >= 3
+    tie_model, ties = _tie_model(1000, 64)
+    tie_head = GraphArgmaxHead(tie_model, candidates=2, use_triton=True)
+    assert not check_call(tie_head, tie_model, ties[:, :1])  # an exact tie abstains
+    for r in range(1, ties.shape[1]):
+        check_call(tie_head, tie_model, ties[:, r : r + 1])
+
+
+def _group_engine() -> None:
+    for case in ("ar-window", "ngram/chain"):
+        _check_engine(case, 0, {2, 5}, fused=True)
+    print("fused engine ok")
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"kernels": _group_kernels}[sys.argv[1]]()
+    {"kernels": _group_kernels, "engine": _group_engine}[sys.argv[1]]()

@@ -99,6 +99,12 @@ def bound_rows(x: Tensor, head: CheapHead, stock: StockRounding, bounds: BoundsF
     return Bounded(terms, upper, lower, best_lower, ok)
 
 
+def refine_coefficients(stock: StockRounding, hidden: int) -> tuple[float, float, float]:
+    """Step 5's error ``E = c_n·||x||·ω + c_a·|ŝ| + c_t + 2^-50·|ŝ|`` as ``(c_n, c_a, c_t)``."""
+    g = (1 + 2 * stock.u_out) * (1 + 2.0**-30)
+    return g * (stock.eps + 2 * hidden * 2.0**-53), g * stock.u_out, g * stock.tau
+
+
 def refine_intervals(
     s_hat: Tensor,  # [N, n] float64: x·w_v of the refined vocabulary rows
     omega: Tensor,  # [n] or [N, n] float64 ≥ ||w_v||
@@ -111,11 +117,8 @@ def refine_intervals(
     for non-candidates."""
     if omega.dim() == 1:
         omega = omega[None]
-    err = (1 + 2 * stock.u_out) * (1 + 2.0**-30) * (
-        (stock.eps + 2 * hidden * 2.0**-53) * x_norm[:, None] * omega
-        + stock.u_out * s_hat.abs()
-        + stock.tau
-    ) + 2.0**-50 * s_hat.abs()  # [N, n]
+    c_n, c_a, c_t = refine_coefficients(stock, hidden)
+    err = c_n * x_norm[:, None] * omega + (c_a + 2.0**-50) * s_hat.abs() + c_t  # [N, n]
     lo = torch.where(cand, s_hat - err, -math.inf)
     hi = torch.where(cand, s_hat + err, -math.inf)
     return lo, hi
@@ -138,6 +141,7 @@ __all__ = [
     "certified_pick",
     "cheap_format",
     "kc_coefficient",
+    "refine_coefficients",
     "refine_intervals",
     "stock_argmax",
     "stock_rounding",

@@ -41,6 +41,8 @@ from specpilot.mechanisms.exact_argmax_cert import (
     bound_rows,
     certified_pick,
     cheap_format,
+    kc_coefficient,
+    refine_coefficients,
     refine_intervals,
     stock_argmax,
     stock_rounding,
@@ -79,11 +81,38 @@ def certify_fixed(
     ids = ids.clamp(max=head.vocab - 1)
     refine = refine_logits if triton_refine else refine_logits_ref
     s_hat = refine(x, lm_head, blocks, bsz)  # [N, C·b] float64
-    cand = (top.values[:, :c] >= bd.best_lower[:, None]).repeat_interleave(bsz, dim=1) & valid
+    cand_blk = top.values[:, :c] >= bd.best_lower[:, None]  # [N, C]
+    cand = cand_blk[:, :, None].expand(-1, -1, bsz).flatten(1) & valid
     omega = head.omega[ids].double()  # [N, C·b]
     lo, hi = refine_intervals(s_hat, omega, bd.terms.x_norm, cand, stock, head.hidden)
     pick, certified = certified_pick(lo, hi)
     return ids.gather(1, pick[:, None]).squeeze(1), (ok & certified).all()
+
+
+def certify_fused(
+    x: Tensor,  # [N, H] final-normed hidden rows
+    head: CheapHead,  # int8
+    lm_head: Tensor,  # [V, H] stock weights
+    stock: StockRounding,
+    candidates: int,
+    counters: Tensor,  # split-K buffer of the INT8 GEMM
+    consts: Tensor,  # kernels/argmax_fused.fused_constants of this head and stock rounding
+) -> tuple[Tensor, Tensor]:
+    """:func:`certify_fixed` in six launches (``kernels/argmax_fused.py``): row terms, the INT8
+    GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish."""
+    from specpilot.kernels.argmax_fused import block_bounds_fused, finish_fused, row_terms_fused
+    from specpilot.kernels.int8_gemm import int8_matmul
+
+    terms = row_terms_fused(x, head, consts)
+    scaled = int8_matmul(terms.xq, head.weight, head.scale, counters, out_dtype=torch.float32)
+    upper, lower = block_bounds_fused(head, terms, kc_coefficient(head, stock), scaled)
+    nb = head.num_blocks
+    c = min(candidates, nb)
+    top = upper.topk(min(c + 1, nb), dim=1)  # sorted, [N, C(+1)]
+    s_hat = refine_logits(x, lm_head, top.indices[:, :c], head.block)  # [N, C·b] float64
+    best = lower.amax(dim=1)  # [N] M_r
+    ids, ok = finish_fused(s_hat, top.values, top.indices, best, head, terms, consts, c)
+    return ids, ok.all()
 
 
 class GraphArgmaxHead:
@@ -99,7 +128,11 @@ class GraphArgmaxHead:
         block: int = 64,
         candidates: int = 8,
         use_triton: bool | None = None,
+        fused: bool | None = None,
     ) -> None:
+        """``use_triton``: the INT8 GEMM and the Triton refine (default: wherever Triton runs);
+        ``fused``: with them the fused row-terms, bound and finish kernels (default: with
+        ``use_triton`` and an int8 copy), else the torch epilogue."""
         dev = model.device
         fmt = cheap_format(fmt, dev, "int8")
         if candidates < 1:
@@ -115,6 +148,14 @@ class GraphArgmaxHead:
             from specpilot.kernels.int8_gemm import counter_buffer
 
             self.counters = counter_buffer(self.head.vocab, dev)
+        if fused is None:
+            fused = self.counters is not None
+        if fused and self.counters is None:
+            raise ValueError("The fused certificate needs Triton and the int8 copy.")
+        self.fused = fused
+        self._consts: dict[StockRounding, Tensor] = {}
+        if fused:  # built here, outside any graph capture (the settings of today)
+            self.constants(stock_rounding(model.dtype, dev, self.head.hidden))
         self.abstain_flag = torch.zeros(1, dtype=torch.int64, device=dev)
         """1 when the last call could not certify every row (its ids are then meaningless)."""
         self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
@@ -124,20 +165,35 @@ class GraphArgmaxHead:
         """Certified ids and ``abstain_flag``; graph-safe (fixed shapes, no host sync)."""
         b, r, h = x.shape
         stock = stock_rounding(self.model.dtype, x.device, h)
-        ids, ok = certify_fixed(
-            x.reshape(b * r, h),
-            self.head,
-            self.model.lm_head,
-            stock,
-            self.candidates,
-            self.counters,
-            triton_refine=self.use_triton,
-        )
+        rows, lm = x.reshape(b * r, h), self.model.lm_head
+        if self.fused:
+            assert self.counters is not None
+            consts = self.constants(stock)
+            ids, ok = certify_fused(
+                rows, self.head, lm, stock, self.candidates, self.counters, consts
+            )
+        else:
+            ids, ok = certify_fixed(
+                rows, self.head, lm, stock, self.candidates, self.counters, self.use_triton
+            )
         self.abstain_flag.copy_((~ok).to(torch.int64).view(1))
         self.counts[0] += 1
         self.counts[1] += self.abstain_flag[0]
         self.counts[2] += b * r
         return ids.view(b, r)
+
+    def constants(self, stock: StockRounding) -> Tensor:
+        """The fused kernels' float64 constants for ``stock`` (a host→device copy the first time
+        a rounding model is seen: matmul precision settings changed since construction)."""
+        if stock not in self._consts:
+            from specpilot.kernels.argmax_fused import fused_constants
+
+            refine = refine_coefficients(stock, self.head.hidden)
+            self._consts[stock] = fused_constants(
+                self.head, stock.eps, stock.tau, stock.max_logit, 1 + 2 * stock.u_out, refine,
+                self.model.device,
+            )  # fmt: skip
+        return self._consts[stock]
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [B, R, H] → [B, R] int64
         ids = self.abstaining(x)
@@ -150,4 +206,4 @@ class GraphArgmaxHead:
         return {"calls": calls, "abstained_calls": abstained, "rows": rows}
 
 
-__all__ = ["GraphArgmaxHead", "certify_fixed"]
+__all__ = ["GraphArgmaxHead", "certify_fixed", "certify_fused"]
