@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +38,7 @@ import torch.nn.functional as F
 
 from specpilot.bench.gpu_ceilings import copy_bandwidth
 from specpilot.bench.l2_prefetch import table
-from specpilot.bench.records import git_rev
+from specpilot.bench.records import git_rev, run_section
 from specpilot.costmodel.measure import capture_graph
 from specpilot.kernels import reference
 from specpilot.kernels.l2_prefetch import PrefetchSpec, launch_mode, prefetch_l2
@@ -372,15 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sec = b.out["sections"]
 
     def section(name: str, fn: Callable[[], Any]) -> Any:
-        t = time.perf_counter()
-        try:
-            sec[name] = fn()
-        except Exception as e:  # a failing section is reported, the others still run
-            sec[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-            print(sec[name]["trace"], file=sys.stderr)
-        b.out.setdefault("section_s", {})[name] = time.perf_counter() - t
-        b.save()
-        return sec[name]
+        return run_section(b.out, name, fn, b.save)
 
     checks = section("checks", b.checks)
     bw = checks.get("copy_bandwidth_Bps", 4.25e12)

@@ -245,6 +245,26 @@ def test_the_prediction_counts_what_the_head_reads() -> None:
     assert redo.saved_s == pytest.approx(p.saved_s - 1e-4)
 
 
+def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """``bench/exact_head_gpu.py --tiny`` (torch path: no interpreter here) end to end."""
+    import importlib.util as iu
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    spec = iu.spec_from_file_location("exact_head_gpu", root / "bench" / "exact_head_gpu.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--out", str(tmp_path), "--trials", "2", "--new-tokens", "8"])
+    saved = json.loads((tmp_path / "exact_head_gpu.json").read_text())["sections"]
+    assert not [n for n, sec in saved.items() if isinstance(sec, dict) and "error" in sec]
+    assert saved["correct"]["all_correct"]
+    assert all(isinstance(row, dict) for row in saved["micro"].values())
+    assert saved["e2e"]["tokens_equal"] and set(saved["e2e"]["arms"]) == {
+        "ar", "ar+head", "chain", "chain+head",
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------- interpreter (subprocess)
 def test_kernels_match_their_references_in_interpreter() -> None:
     assert "exact graph kernels ok" in run_interpreted([str(Path(__file__).resolve()), "kernels"])

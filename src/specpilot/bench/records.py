@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Iterable
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,3 +113,21 @@ def git_rev() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
+
+
+def run_section(
+    out: dict[str, Any], name: str, fn: Callable[[], Any], save: Callable[[], None]
+) -> Any:
+    """``out["sections"][name] = fn()`` for a GPU script: a failing section is reported (error
+    and trace, also on stderr) and the others still run; its seconds go to
+    ``out["section_s"]``; ``save`` runs after it either way."""
+    t = time.perf_counter()
+    sec = out.setdefault("sections", {})
+    try:
+        sec[name] = fn()
+    except Exception as e:
+        sec[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        print(sec[name]["trace"], file=sys.stderr)
+    out.setdefault("section_s", {})[name] = time.perf_counter() - t
+    save()
+    return sec[name]
