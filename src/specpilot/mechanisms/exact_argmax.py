@@ -72,6 +72,19 @@ torch.argmax returns.
 Step 6 (stock). Otherwise the call returns the stock call's own argmax on the same input, which
 is the stock result by definition (kernels are deterministic for a fixed input and shape).
 So the returned ids always equal the stock argmax; only speed depends on the data.
+
+The graph-safe head (``mechanisms/exact_argmax_graph.py``) computes the same steps differently:
+Step 1 through the INT8 GEMM with fp32 output (``kernels/int8_gemm.py``: the products x̂_i·q_vi
+exact, fp32 sums in a fixed order with split-K partials added in fp32 — "any order" above — and
+one fp32 multiply by σ_v; the multiply by x_s in the epilogue is exact), or in one fused kernel
+for the row terms (``kernels/argmax_fused.py``: the same norms, float64 sums in another order,
+covered by the 2^-40 pad, then rounded up to float32). Step 3b (fixed shapes): only the C blocks
+with the largest upper bounds are refined, and a row counts as certified only if the (C+1)-th
+largest upper bound is < M; then every block with upper ≥ M is among the C, so step 3 holds for
+them. Step 6 becomes *abstain*: the call returns meaningless ids with a device flag set, and its
+only caller that reads ids without checking the flag first, the engine's verify, commits nothing
+and redoes the verify with the stock head (``engine/abstain.py``); calling the head itself checks
+the flag on the host and returns the stock call's argmax, as here.
 """
 
 from __future__ import annotations
