@@ -37,7 +37,11 @@ U32 = 2.0**-24
 PAD = 1.0 + 2.0**-18
 """Multiplier that absorbs the float32 roundings of the bound itself (see the proof, step 4)."""
 TAU_PAD = 2.0**-120
-"""Absolute slack for float32 underflow in the bound arithmetic (each op errs by ≤ 2^-150)."""
+"""Absolute slack for float32 underflow in the bound arithmetic (each op errs by ≤ 2^-150, or
+≤ 2^-126 where a GPU kernel flushes subnormals to zero)."""
+UNDERFLOW_PER_OP = 2.0**-124
+"""Absolute error of one fp32 op of an accumulation on underflow, ≥ a flush to zero's 2^-126
+(kernels we do not control may flush subnormals); the proof's τ terms count H + 2 of them."""
 FORMATS = ("int8", "fp16")
 
 
@@ -216,7 +220,7 @@ def row_terms(
     cheap_tau = (
         2.0**-24 * x_scale.double() * head.scale_max
         if head.fmt == "fp16"
-        else (h + 2) * 2.0**-148 * x_scale.double() * head.scale_max
+        else (h + 2) * UNDERFLOW_PER_OP * x_scale.double() * head.scale_max
     )
     tau = 2 * cheap_tau + tau_stock + TAU_PAD
     # No stock partial sum can overflow when ||x||·max||W_v|| stays well inside the dtype's range.

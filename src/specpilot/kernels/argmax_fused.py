@@ -9,8 +9,9 @@ GEMM and a ``topk``:
   m ∈ [0.5, 1), from the fp32 bits), ``xq = bf16(x / x_scale)``, and in float64 the norms
   ``||x||``, ``||x_scale·xq||``, ``||x − x_scale·xq||`` padded by ``1 + 2^-40`` and the terms
   ``a, b, tau`` rounded *up* to float32 (round to nearest, then one ulp up when below: exactly
-  ``argmax_bound.round_up_f32``). Rows with a subnormal or huge ``max|x|`` are marked not ok
-  (the torch form would scale them; here they abstain). Equals ``argmax_bound.row_terms``
+  ``argmax_bound.round_up_f32``). Rows with a subnormal or huge ``max|x|``, or with an element
+  that is or scales to below 2^-120, are marked not ok (the torch form would go on; here they
+  abstain: no subnormal reaches a kernel that may flush it). Equals ``argmax_bound.row_terms``
   otherwise, up to float64 summation order in the norms (covered by the pad).
 * :func:`block_bounds_fused` — one program per (vocabulary block, row): the bound epilogue over
   the INT8 GEMM's fp32 output (``c = scaled · x_scale``, ``D``, block maxima of ``c ± D``; NaN or
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.argmax_bound import PAD, TAU_PAD, CheapHead, RowTerms
+from specpilot.kernels.argmax_bound import PAD, TAU_PAD, UNDERFLOW_PER_OP, CheapHead, RowTerms
 from specpilot.kernels.w12_gemm import _f32_to_bf16
 
 
@@ -67,7 +68,7 @@ def terms_kernel(
     r = tl.program_id(0)
     eps_stock = tl.load(k_ptr + 0)
     tau_fixed = tl.load(k_ptr + 1)  # tau_stock + TAU_PAD
-    cheap_tau_coef = tl.load(k_ptr + 2)  # (H + 2)·2^-148·scale_max
+    cheap_tau_coef = tl.load(k_ptr + 2)  # (H + 2)·UNDERFLOW_PER_OP·scale_max
     grow = tl.load(k_ptr + 3)  # 1 + 2u_out
     overflow_norm = tl.load(k_ptr + 4)  # max_logit / 4 / omega_max
     pad = tl.load(k_ptr + 5)  # 1 + 2^-40
@@ -90,7 +91,10 @@ def terms_kernel(
     d = xd - xs
     b = tl.sqrt(tl.sum(d * d)) * pad + eps_stock * x_norm
     tau = 2.0 * cheap_tau_coef * x_scale.to(tl.float64) + tau_fixed
-    ok = finite & in_range & (x_norm == x_norm) & (x_norm < overflow_norm)
+    # No subnormal anywhere (a GPU may flush it, in x, in x·2^-e or in the cheap products):
+    sub = kmask & (x != 0) & ((tl.abs(x) < 2.0**-126) | (tl.abs(x * inv_scale) < 2.0**-120))
+    normal = tl.sum(tl.where(sub, 1, 0)) == 0
+    ok = finite & normal & in_range & (x_norm == x_norm) & (x_norm < overflow_norm)
     tl.store(xs_ptr + r, x_scale)
     tl.store(a_ptr + r, _up(a * grow))
     tl.store(b_ptr + r, _up(b * grow))
@@ -200,7 +204,7 @@ def fused_constants(
 ) -> Tensor:  # [K_LEN] float64
     """The float64 constants of the kernels, as a device tensor (Triton would pass Python floats
     as float32, rounded to nearest: below the value half the time). Build once, outside graphs."""
-    cheap_tau = (head.hidden + 2) * 2.0**-148 * head.scale_max
+    cheap_tau = (head.hidden + 2) * UNDERFLOW_PER_OP * head.scale_max
     vals = [
         eps_stock, tau_stock + TAU_PAD, cheap_tau, grow,
         max_logit / 4 / max(head.omega_max, 2.0**-126), 1 + 2.0**-40, *refine,

@@ -26,7 +26,8 @@ each logit by multiplying input pairs (rounded first to TF32/bf16 when fp32 matm
 use them, relative error ≤ 2u_in), accumulating in fp32 or wider in any order (error ≤ κ·A_v with κ = γ_H = H·2^-24/(1 − H·2^-24)
 on the CPU and κ = H·2^-21 = 8·H·2^-24 on CUDA, for truncating tensor-core adders), rounding partial
 sums to the output dtype at most once (split-K reductions, ≤ u_p·A_v with u_p = u_out for 16-bit
-dtypes) and the result once (≤ u_out·|z_v|), with underflow adding ≤ τ_out absolute. Hence
+dtypes) and the result once (≤ u_out·|z_v|), with underflow adding ≤ τ_out absolute (H + 2 ops
+of ≤ 2^-124 each: a kernel may flush subnormals to zero). Hence
     |z_v − s_v| ≤ ε·||x||·||w_v|| + u_out·|z_v| + τ_out,  ε = (κ + u_p + 2.02·u_in)(1 + u_out).
 Overflow is excluded by rejecting rows with ||x||·max_v||w_v|| ≥ max(dtype)/4 (tier 3).
 
@@ -51,7 +52,8 @@ does v_M itself (its upper bound ≥ its lower bound = M).
 Step 4 (rounding of the bound itself). The kernel evaluates D = PAD·(((a'·β + b'·ω) + k·|c|) + τ')
 in fp32, where a', b', τ' are a, b, τ times (1 + 2u_out) rounded up, k = (1 + 2u_out)(k_c + 8·2^-24)
 rounded up, and PAD = 1 + 2^-18. That is ≤ 7 roundings of non-negative terms, each losing at most
-a factor (1 − 2^-24), or 2^-150 absolute on underflow (covered by the extra 2^-120 in τ), and
+a factor (1 − 2^-24), or ≤ 2^-126 absolute on underflow, flush to zero included (covered by the
+extra 2^-120 in τ), and
 (1 + 2^-18)(1 − 2^-24)^7 ≥ 1 + 2^-19, so D ≥ (1 + 2^-19)·D* + 8·2^-24|c|. Then
 fl(c + D) ≥ c + D − 2^-24(|c| + D) ≥ c + D*, and likewise fl(c − D) ≤ c − D*: the computed
 bounds are valid. NaN or ±inf anywhere in a row (inputs, c, bounds) sends the call to tier 3

@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpilot.kernels.argmax_bound import U32, CheapHead, RowTerms, accumulation_error, row_terms
+from specpilot.kernels.argmax_bound import (
+    U32,
+    UNDERFLOW_PER_OP,
+    CheapHead,
+    RowTerms,
+    accumulation_error,
+    row_terms,
+)
 from specpilot.models.transformer import Transformer
 
 BoundsFn = Callable[[CheapHead, RowTerms, float], tuple[Tensor, Tensor]]
@@ -69,7 +76,7 @@ def stock_rounding(dtype: torch.dtype, device: torch.device, hidden: int) -> Sto
             u_in = 2.0**-11
     eps = (accumulation_error(hidden, device) + u_p + 2.02 * u_in) * (1 + u_out)
     tiny = float(torch.finfo(dtype).smallest_normal) * float(torch.finfo(dtype).eps)
-    tau = (hidden + 2) * 2.0**-148 + tiny
+    tau = (hidden + 2) * UNDERFLOW_PER_OP + tiny
     return StockRounding(eps=eps, u_out=u_out, tau=tau, max_logit=float(torch.finfo(dtype).max))
 
 
