@@ -98,8 +98,9 @@ def certify_fused(
     counters: Tensor,  # split-K buffer of the INT8 GEMM
     consts: Tensor,  # kernels/argmax_fused.fused_constants of this head and stock rounding
 ) -> tuple[Tensor, Tensor]:
-    """:func:`certify_fixed` in six launches (``kernels/argmax_fused.py``): row terms, the INT8
-    GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish."""
+    """:func:`certify_fixed` in few launches (``kernels/argmax_fused.py``): row terms, the INT8
+    GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish (and a few small ops
+    for ``ok``)."""
     from specpilot.kernels.argmax_fused import block_bounds_fused, finish_fused, row_terms_fused
     from specpilot.kernels.int8_gemm import int8_matmul
 
