@@ -50,6 +50,9 @@ from specpilot.timing import time_burst
 FUSED_KERNELS = 20
 """Launches of the fused certificate (row terms, INT8 GEMM, bounds, amax, topk, refine, finish,
 ~12 small ops for the flag and counters; counted on a CPU trace): the prediction's ``kernels``."""
+FUSED_PASSES = 2
+"""``[R, V]`` fp32 passes of the fused epilogue: the GEMM writes the cheap logits, one kernel
+reads them."""
 TORCH_KERNELS = 140
 """The same for the torch epilogue (counted on a CPU trace of the ops)."""
 
@@ -184,9 +187,11 @@ class Bench:
                     for n in names[k % len(names) :] + names[: k % len(names)]:
                         times[n].append(time_burst(fns[n], self.dev, 20))
                 row: dict[str, Any] = {n: spread(t) for n, t in times.items()}
-                for h, kern in (("fused", FUSED_KERNELS), ("torch-epilogue", TORCH_KERNELS)):
+                for h, kern, passes in (("fused", FUSED_KERNELS, FUSED_PASSES),
+                                        ("torch-epilogue", TORCH_KERNELS, 8)):  # fmt: skip
                     p = predict(vocab, hidden, r, self.args.candidates, self.args.block,
-                                model.lm_head.element_size(), bw, kernels=kern)  # fmt: skip
+                                model.lm_head.element_size(), bw, kernels=kern,
+                                epilogue_passes=passes)  # fmt: skip
                     row[h]["predicted_s"] = p.graph_s
                     row[h]["ratio_to_stock"] = row["stock"]["median"] / row[h]["median"]
                 row["stock"]["predicted_s"] = predict(vocab, hidden, r, 1).stock_s
@@ -255,7 +260,8 @@ class Bench:
             verify_s = s.seconds / max(cycles.get(base, 1), 1)
             p = predict(vocab, hidden, rows, self.args.candidates, self.args.block,
                         model.lm_head.element_size(), bw, abstain_rate=abstain,
-                        verify_s=verify_s, kernels=FUSED_KERNELS)  # fmt: skip
+                        verify_s=verify_s, kernels=FUSED_KERNELS,
+                        epilogue_passes=FUSED_PASSES)  # fmt: skip
             saved = cycles.get(base, 0) * p.saved_s
             out["arms"][base + "+head"]["predicted_tok_s"] = s.tokens / max(s.seconds - saved, 1e-9)
             out["arms"][base + "+head"]["ratio"] = m.ratio(base + "+head", base).to_dict()
