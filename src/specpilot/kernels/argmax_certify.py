@@ -65,10 +65,11 @@ def _refine_kernel() -> Any:
     def refine_kernel(
         x_ptr,  # [R, H]
         w_ptr,  # [V, H]
-        blk_ptr,  # [R, C] int64
+        blk_ptr,  # [R, >= C] int64, row stride stride_b
         out_ptr,  # [R, C * BLOCK] float64
         V,
         C,
+        stride_b,
         stride_x,
         stride_w,
         H: tl.constexpr,  # constexpr: loops over it (and the interpreter needs a plain int)
@@ -79,7 +80,7 @@ def _refine_kernel() -> Any:
         r = tl.program_id(0)
         j = tl.program_id(1)
         part = tl.program_id(2)
-        blk = tl.load(blk_ptr + r * C + j)
+        blk = tl.load(blk_ptr + r * stride_b + j)
         offs = part * SUB_ROWS + tl.arange(0, SUB_ROWS)  # [SUB] rows within the block
         rows = blk * BLOCK + offs
         rmask = rows < V
@@ -110,12 +111,12 @@ def refine_logits(
     vocabulary): the Triton kernel (each stock row read once, no float64 copy of the rows)."""
     r, c = blocks.shape
     v, h = lm_head.shape
-    if block % SUB or x.stride(1) != 1 or lm_head.stride(1) != 1:
+    if block % SUB or x.stride(1) != 1 or lm_head.stride(1) != 1 or blocks.stride(1) != 1:
         raise ValueError(f"refine: want unit-stride rows and a block that is a multiple of {SUB}")
     out = torch.empty(r, c * block, dtype=torch.float64, device=x.device)
     grid = (r, c, block // SUB)
     _refine_kernel()[grid](
-        x, lm_head, blocks.contiguous(), out, v, c, x.stride(0), lm_head.stride(0),
+        x, lm_head, blocks, out, v, c, blocks.stride(0), x.stride(0), lm_head.stride(0),
         H=h, BLOCK=block, SUB_ROWS=SUB, BLOCK_K=min(128, max(16, 1 << (h - 1).bit_length())),
         num_warps=4,
     )  # fmt: skip

@@ -1,9 +1,9 @@
 """Fused Triton kernels of the graph-safe exact-argmax certificate: few launches per call.
 
-The torch form of the certificate (``mechanisms/exact_argmax_graph.certify_fixed`` with
-``fused=False``) runs ~140 small ops per call, which inside a CUDA graph cost more than the bytes
-the INT8 head saves. These kernels compute the same quantities in four launches around the INT8
-GEMM and a ``topk``:
+The torch form of the certificate (``mechanisms/exact_argmax_graph.certify_fixed``, the head's
+``fused=False``) runs ~140 small ops per call, which inside a CUDA graph cost about what the INT8
+head saves. These kernels compute the same quantities in four launches around the INT8 GEMM, an
+``amax`` and a ``topk``:
 
 * :func:`row_terms_fused` — one program per row: ``x_scale = 2^e`` (``max|x| = m·2^e``,
   m ∈ [0.5, 1), from the fp32 bits), ``xq = bf16(x / x_scale)``, and in float64 the norms
@@ -17,9 +17,9 @@ GEMM and a ``topk``:
   the INT8 GEMM's fp32 output (``c = scaled · x_scale``, ``D``, block maxima of ``c ± D``; NaN or
   ±inf in ``c`` gives ``upper = +inf``), the same arithmetic as ``argmax_bound.bounds_from_sums``.
 * ``refine_logits`` (``kernels/argmax_certify.py``) — float64 logits of the C chosen blocks.
-* :func:`finish_fused` — one program per row: the step-2 check on the (C+1)-th upper bound, the
-  refine intervals (``exact_argmax_cert.refine_intervals``) and the pick, writing ``ids [R]`` and
-  ``ok [R]``.
+* :func:`finish_fused` — one program for the call: per row the step-2 check on the (C+1)-th
+  upper bound, the refine intervals (``exact_argmax_cert.refine_intervals``) and the pick
+  (``ids [R]``), then the call's abstain flag and the head's counters.
 
 All run under ``TRITON_INTERPRET=1`` at small shapes (tests compare them with the torch form).
 """
@@ -58,7 +58,7 @@ def terms_kernel(
     b_ptr,  # [R] f32 out
     tau_ptr,  # [R] f32 out
     xn_ptr,  # [R] f64 out: ||x|| padded
-    ok_ptr,  # [R] int8 out
+    ok_ptr,  # [R] bool out
     k_ptr,  # [K_LEN] f64 constants (:func:`fused_constants`)
     stride_x,
     H: tl.constexpr,
@@ -100,7 +100,7 @@ def terms_kernel(
     tl.store(b_ptr + r, _up(b * grow))
     tl.store(tau_ptr + r, _up(tau * grow))
     tl.store(xn_ptr + r, x_norm)
-    tl.store(ok_ptr + r, ok.to(tl.int8))
+    tl.store(ok_ptr + r, ok)
 
 
 @triton.jit
@@ -148,46 +148,54 @@ def finish_kernel(
     best_ptr,  # [R] f32 M_r
     omega_ptr,  # [V] f32
     xn_ptr,  # [R] f64
-    rok_ptr,  # [R] int8: the row terms' ok
+    rok_ptr,  # [R] bool: the row terms' ok
     ids_ptr,  # [R] int64 out
-    ok_ptr,  # [R] int8 out
+    flag_ptr,  # [1] int64 out: 1 when some row is not certified
+    counts_ptr,  # [3] int64 in/out: calls, abstained calls, rows
     V,
     C,
     CT,
     k_ptr,  # [K_LEN] f64 constants
+    R_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     N_POW: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    """One program for the call: every row's pick and ok, then the call's flag and counters."""
     j = tl.arange(0, N_POW)
     slot = j // BLOCK  # candidate block of each refined row
     jmask = j < C * BLOCK
-    best = tl.load(best_ptr + r)
-    top = tl.load(top_ptr + r * CT + slot, mask=jmask, other=float("-inf"))
-    blk = tl.load(topi_ptr + r * CT + slot, mask=jmask, other=0)
-    v = blk * BLOCK + (j % BLOCK)
-    cand = jmask & (v < V) & (top >= best)
-    vv = tl.where(cand, v, 0)
-    s = tl.load(s_ptr + r * C * BLOCK + j, mask=jmask, other=0.0)
-    omega = tl.load(omega_ptr + vv, mask=cand, other=0.0).to(tl.float64)
     coef_norm = tl.load(k_ptr + 6)  # (1 + 2u)(1 + 2^-30)(eps + 2H·2^-53)
     coef_abs = tl.load(k_ptr + 7)  # (1 + 2u)(1 + 2^-30)·u_out
     coef_tau = tl.load(k_ptr + 8)  # (1 + 2u)(1 + 2^-30)·tau_out
-    err = coef_norm * tl.load(xn_ptr + r) * omega + coef_abs * tl.abs(s) + coef_tau
-    err = err + 2.0**-50 * tl.abs(s)
-    lo = tl.where(cand, s - err, float("-inf"))
-    hi = tl.where(cand, s + err, float("-inf"))
-    pick_lo = tl.max(lo, axis=0)
-    first = tl.min(tl.where(lo == pick_lo, j, N_POW), axis=0)  # lowest index, like argmax
-    others = tl.max(tl.where(j == first, float("-inf"), hi), axis=0)
-    first_top = tl.load(top_ptr + r * CT)
-    ok = (tl.load(rok_ptr + r) != 0) & (first_top < float("inf")) & (best == best)
-    ok = ok & (best > float("-inf")) & (pick_lo > float("-inf")) & (pick_lo > others)
-    if CT > C:  # every block left out is below M_r (step 2)
-        ok = ok & (tl.load(top_ptr + r * CT + C) < best)
-    pick_v = tl.sum(tl.where(j == first, vv, 0), axis=0)
-    tl.store(ids_ptr + r, pick_v)
-    tl.store(ok_ptr + r, ok.to(tl.int8))
+    all_ok = tl.full((), 1, tl.int32)
+    for r in range(R_ROWS):
+        best = tl.load(best_ptr + r)
+        top = tl.load(top_ptr + r * CT + slot, mask=jmask, other=float("-inf"))
+        blk = tl.load(topi_ptr + r * CT + slot, mask=jmask, other=0)
+        v = blk * BLOCK + (j % BLOCK)
+        cand = jmask & (v < V) & (top >= best)
+        vv = tl.where(cand, v, 0)
+        s = tl.load(s_ptr + r * C * BLOCK + j, mask=jmask, other=0.0)
+        omega = tl.load(omega_ptr + vv, mask=cand, other=0.0).to(tl.float64)
+        err = coef_norm * tl.load(xn_ptr + r) * omega + coef_abs * tl.abs(s) + coef_tau
+        err = err + 2.0**-50 * tl.abs(s)
+        lo = tl.where(cand, s - err, float("-inf"))
+        hi = tl.where(cand, s + err, float("-inf"))
+        pick_lo = tl.max(lo, axis=0)
+        first = tl.min(tl.where(lo == pick_lo, j, N_POW), axis=0)  # lowest index, like argmax
+        others = tl.max(tl.where(j == first, float("-inf"), hi), axis=0)
+        first_top = tl.load(top_ptr + r * CT)
+        ok = (tl.load(rok_ptr + r) != 0) & (first_top < float("inf")) & (best == best)
+        ok = ok & (best > float("-inf")) & (pick_lo > float("-inf")) & (pick_lo > others)
+        if CT > C:  # every block left out is below M_r (step 2)
+            ok = ok & (tl.load(top_ptr + r * CT + C) < best)
+        tl.store(ids_ptr + r, tl.sum(tl.where(j == first, vv, 0), axis=0))
+        all_ok = all_ok * ok.to(tl.int32)
+    flag = (1 - all_ok).to(tl.int64)
+    tl.store(flag_ptr, flag)
+    tl.store(counts_ptr, tl.load(counts_ptr) + 1)
+    tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + flag)
+    tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + R_ROWS)
 
 
 K_LEN = 9
@@ -226,11 +234,12 @@ def row_terms_fused(
     xq = torch.empty(r, h, dtype=torch.bfloat16, device=dev)
     xs, a, b, tau = (torch.empty(r, dtype=f32, device=dev) for _ in range(4))
     x_norm = torch.empty(r, dtype=torch.float64, device=dev)
-    ok = torch.empty(r, dtype=torch.int8, device=dev)
+    ok = torch.empty(r, dtype=torch.bool, device=dev)
     terms_kernel[(r,)](
-        x, xq, xs, a, b, tau, x_norm, ok, consts, x.stride(0), H=h, BLOCK_H=1 << (h - 1).bit_length(), INTERPRET=_interpret(), num_warps=4,
+        x, xq, xs, a, b, tau, x_norm, ok, consts, x.stride(0),
+        H=h, BLOCK_H=1 << (h - 1).bit_length(), INTERPRET=_interpret(), num_warps=4,
     )  # fmt: skip
-    return RowTerms(xq=xq, x_scale=xs, a=a, b=b, tau=tau, x_norm=x_norm, ok=ok.bool())
+    return RowTerms(xq=xq, x_scale=xs, a=a, b=b, tau=tau, x_norm=x_norm, ok=ok)
 
 
 def block_bounds_fused(
@@ -257,18 +266,20 @@ def finish_fused(
     terms: RowTerms,
     consts: Tensor,  # from fused_constants
     candidates: int,
-) -> tuple[Tensor, Tensor]:  # ids [R] int64, ok [R] bool
-    """The certificate's last step per row (module docstring)."""
+    flag: Tensor,  # [1] int64 out: the abstain flag
+    counts: Tensor,  # [3] int64: calls, abstained calls, rows (added to)
+) -> Tensor:  # ids [R] int64 (meaningful when the flag is 0)
+    """The certificate's last step, one program for the call (module docstring)."""
     r, n = s_hat.shape
     ids = torch.empty(r, dtype=torch.int64, device=s_hat.device)
-    ok = torch.empty(r, dtype=torch.int8, device=s_hat.device)
-    finish_kernel[(r,)](
-        s_hat, top_values.contiguous(), top_blocks.contiguous(), best_lower, head.omega,
-        terms.x_norm, terms.ok.to(torch.int8), ids, ok, head.vocab, candidates,
-        top_values.shape[1], consts, BLOCK=head.block, N_POW=1 << (n - 1).bit_length(),
-        num_warps=4,
+    if not (top_values.is_contiguous() and top_blocks.is_contiguous()):
+        raise ValueError("finish: want contiguous top-k values and blocks")
+    finish_kernel[(1,)](
+        s_hat, top_values, top_blocks, best_lower, head.omega, terms.x_norm, terms.ok, ids,
+        flag, counts, head.vocab, candidates, top_values.shape[1], consts,
+        R_ROWS=r, BLOCK=head.block, N_POW=1 << (n - 1).bit_length(), num_warps=4,
     )  # fmt: skip
-    return ids, ok.bool()
+    return ids
 
 
 __all__ = ["K_LEN", "block_bounds_fused", "finish_fused", "fused_constants", "row_terms_fused"]

@@ -97,10 +97,12 @@ def certify_fused(
     candidates: int,
     counters: Tensor,  # split-K buffer of the INT8 GEMM
     consts: Tensor,  # kernels/argmax_fused.fused_constants of this head and stock rounding
-) -> tuple[Tensor, Tensor]:
+    flag: Tensor,  # [1] int64 out: 1 when some row is not certified
+    counts: Tensor,  # [3] int64: calls, abstained calls, rows (added to)
+) -> Tensor:
     """:func:`certify_fixed` in few launches (``kernels/argmax_fused.py``): row terms, the INT8
-    GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish (and a few small ops
-    for ``ok``)."""
+    GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish (which writes the
+    flag and the counters); returns the ids ``[N]``."""
     from specpilot.kernels.argmax_fused import block_bounds_fused, finish_fused, row_terms_fused
     from specpilot.kernels.int8_gemm import int8_matmul
 
@@ -112,8 +114,7 @@ def certify_fused(
     top = upper.topk(min(c + 1, nb), dim=1)  # sorted, [N, C(+1)]
     s_hat = refine_logits(x, lm_head, top.indices[:, :c], head.block)  # [N, C·b] float64
     best = lower.amax(dim=1)  # [N] M_r
-    ids, ok = finish_fused(s_hat, top.values, top.indices, best, head, terms, consts, c)
-    return ids, ok.all()
+    return finish_fused(s_hat, top.values, top.indices, best, head, terms, consts, c, flag, counts)
 
 
 class GraphArgmaxHead:
@@ -170,13 +171,14 @@ class GraphArgmaxHead:
         if self.fused:
             assert self.counters is not None
             consts = self.constants(stock)
-            ids, ok = certify_fused(
-                rows, self.head, lm, stock, self.candidates, self.counters, consts
-            )
-        else:
-            ids, ok = certify_fixed(
-                rows, self.head, lm, stock, self.candidates, self.counters, self.use_triton
-            )
+            ids = certify_fused(
+                rows, self.head, lm, stock, self.candidates, self.counters, consts,
+                self.abstain_flag, self.counts,
+            )  # fmt: skip
+            return ids.view(b, r)
+        ids, ok = certify_fixed(
+            rows, self.head, lm, stock, self.candidates, self.counters, self.use_triton
+        )
         self.abstain_flag.copy_((~ok).to(torch.int64).view(1))
         self.counts[0] += 1
         self.counts[1] += self.abstain_flag[0]
