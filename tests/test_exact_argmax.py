@@ -29,7 +29,8 @@ from specpilot.kernels.argmax_bound import (
     row_terms,
 )
 from specpilot.mechanisms import MECHANISMS
-from specpilot.mechanisms.exact_argmax import ExactArgmaxHead, _kc, stock_rounding
+from specpilot.mechanisms.exact_argmax import ExactArgmaxHead
+from specpilot.mechanisms.exact_argmax_cert import kc_coefficient, stock_rounding
 from specpilot.models.transformer import Transformer
 
 
@@ -161,8 +162,8 @@ def _group_kernel() -> None:
     stock = stock_rounding(torch.float32, torch.device("cpu"), 64)
     x = torch.randn(3, 64) * 5
     terms = row_terms(x, head, stock.eps, stock.tau, stock.max_logit)
-    ref = block_bounds_ref(head, terms, _kc(head, stock))
-    tri = block_bounds_triton(head, terms, _kc(head, stock))
+    ref = block_bounds_ref(head, terms, kc_coefficient(head, stock))
+    tri = block_bounds_triton(head, terms, kc_coefficient(head, stock))
     for a, b in zip(ref, tri, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     model = head_model(200, 64, 9)

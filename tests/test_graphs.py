@@ -249,8 +249,8 @@ def test_a_step_that_syncs_fails_the_check(
         generate(Engine(target, PeekingDrafter(target, k=3)), [[1, 2, 3]], 8)
     real = engine_mod.accept_and_commit
 
-    def peeking_accept(state: RowState, k: int) -> None:
-        real(state, k)
+    def peeking_accept(state: RowState, k: int, abstain: torch.Tensor | None = None) -> None:
+        real(state, k, abstain)
         state.accepted.tolist()
 
     monkeypatch.setattr(engine_mod, "accept_and_commit", peeking_accept)

@@ -349,12 +349,12 @@ def test_bad_input_gets_one_sentence():
 def test_a_faulty_accept_is_caught(monkeypatch):
     """Accepting every drafted token commits tokens AR would not: the equality test can fail."""
 
-    def accept_all(state: RowState, k: int) -> None:
+    def accept_all(state: RowState, k: int, abstain: torch.Tensor | None = None) -> None:
         lens = torch.minimum(state.draft_lens, state.cut).clamp(max=k)  # [B]
         block = state.verify_argmax[:, : k + 1].clone()  # [B, k+1]
         keep = torch.arange(k, device=block.device)[None, :] < lens[:, None]
         block[:, :k] = torch.where(keep, state.drafts[:, :k], block[:, :k])
-        commit_block(state, block, lens * state.active)
+        commit_block(state, block, lens * state.active, abstain)
 
     monkeypatch.setattr("specpilot.engine.engine.accept_and_commit", accept_all)
     cfg = tiny_config(vocab=59)

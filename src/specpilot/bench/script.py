@@ -48,7 +48,7 @@ class BenchScript:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / self.file_name).write_text(json.dumps(self.out, indent=1))
 
-    def graph(self, fn: Callable[[], None]) -> Callable[[], object]:
+    def graph(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` captured in a CUDA graph into the run's one pool (its replay); ``fn`` itself off
         CUDA. Every graph is kept alive for the whole run: once the last graph of a pool is
         freed, torch releases the pool, and a later capture into the same handle trips the

@@ -141,7 +141,7 @@ def forward_pieces(
         return fwd.logits(x)
 
     def head_argmax() -> object:  # an installed argmax head: final norm, head and argmax
-        return fwd.argmax(x)
+        return fwd.argmax(x, may_abstain=True)  # timed as the verify runs it (graph-safe)
 
     def argmax() -> object:
         return logits.argmax(dim=-1)
@@ -151,7 +151,7 @@ def forward_pieces(
             start, t, attn_len, fwd.groups, model.dtype, host_start=host_start
         )
         h = fwd.run_layers(fwd.embed(ids.reshape(t)), cache, lay_f)
-        lay_f.to_block(fwd.argmax(h)[:, None], argmax_out[:, :, None])
+        lay_f.to_block(fwd.argmax(h, may_abstain=True)[:, None], argmax_out[:, :, None])
         return argmax_out
 
     comps: dict[str, Thunk] = {

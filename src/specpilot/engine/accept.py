@@ -15,6 +15,14 @@ path's K/V (and the drafter's hidden states) are **compacted** to consecutive sl
 ``start + d`` by a gather then a scatter, no recompute: a node's K/V depends only on its token,
 its position and its ancestors' K/V, exactly what a chain over the path computes.
 
+**Abstain**: a verify whose LM head may abstain (``Transformer.argmax_head`` with an
+``abstain_flag``, e.g. the graph-safe exact-argmax head) passes that flag to the accept. Once it is
+set, ``state.halted`` stays set and every accept commits nothing (``committed_len``, ``pending``,
+``prev_committed``, ``cycle`` unchanged; ``accepted = ABSTAINED``, which the host sees in its
+read-back) until the host clears it and redoes the verify with the stock head (``engine/engine.py``).
+The tree accept's K/V compaction is not gated: it writes only slots past the committed K/V, all of
+which the redone tree verify writes again before its own accept.
+
 Two implementations of the tree rule, chosen in one place (:func:`use_fused_tree_accept`): the
 torch ops below (the CPU, and the reference), and one Triton launch that computes the path and
 moves the K/V of every layer (``kernels/tree_accept.py``; CUDA, or the CPU under
@@ -31,31 +39,46 @@ from specpilot.engine.verify import greedy_verify
 from specpilot.kernels import triton_usable
 from specpilot.models.kv_cache import KVCache
 
+ABSTAINED = -1
+"""``accepted`` of a cycle whose verify head abstained: nothing was committed."""
 
-def accept_and_commit(state: RowState, k: int) -> None:
+
+def accept_and_commit(state: RowState, k: int, abstain: Tensor | None = None) -> None:
     """Greedy acceptance of ``drafts[:, :k]`` (at most ``cut`` of each row's) against
-    ``verify_argmax[:, :k+1]``, then the commit. Frozen rows commit nothing."""
+    ``verify_argmax[:, :k+1]``, then the commit. Frozen rows commit nothing; nothing is
+    committed once ``abstain [1]`` (the verify head's flag) is set (module docstring)."""
     argmax = state.verify_argmax[:, : k + 1]  # [B, k+1]
     lens = torch.minimum(state.draft_lens, state.cut)  # [B]
     outcome = greedy_verify(state.drafts[:, :k], lens, argmax)
-    commit_block(state, argmax, outcome.accepted_len * state.active)
+    commit_block(state, argmax, outcome.accepted_len * state.active, abstain)
 
 
-def commit_block(state: RowState, block: Tensor, n: Tensor) -> None:
+def commit_block(state: RowState, block: Tensor, n: Tensor, abstain: Tensor | None = None) -> None:
     """Commit ``block[b, :n[b] + 1]`` (accepted tokens, then the bonus ``block[b, n[b]]``) for
     every active row. All of ``block [B, W]`` is scattered after the committed prefix; only the
-    first ``n + 1`` become committed. Frozen rows commit nothing."""
+    first ``n + 1`` become committed. Frozen rows commit nothing, and no row does while the
+    verify head's ``abstain [1]`` flag (sticky in ``state.halted``) is set."""
     bonus = block.gather(1, n[:, None]).squeeze(1)  # [B]
     last = state.capacity - 1
     idx = (state.committed_len[:, None] + torch.arange(block.shape[1], device=block.device)).clamp_(
         max=last
     )  # [B, W]
-    state.tokens.scatter_(1, idx, block)
-    state.prev_committed.copy_(state.committed_len)
-    state.committed_len.add_((n + 1) * state.active)
-    state.pending.copy_(torch.where(state.active.bool(), bonus, state.pending))
-    state.accepted.copy_(n)
-    state.cycle.add_(1)
+    state.tokens.scatter_(1, idx, block)  # past the committed prefix: scratch until committed
+    if abstain is None:
+        state.prev_committed.copy_(state.committed_len)
+        state.committed_len.add_((n + 1) * state.active)
+        state.pending.copy_(torch.where(state.active.bool(), bonus, state.pending))
+        state.accepted.copy_(n)
+        state.cycle.add_(1)
+        return
+    state.halted.bitwise_or_(abstain)
+    go = 1 - state.halted  # [1]
+    live = state.active * go  # [B]
+    state.prev_committed.copy_(torch.where(go.bool(), state.committed_len, state.prev_committed))
+    state.committed_len.add_((n + 1) * live)
+    state.pending.copy_(torch.where(live.bool(), bonus, state.pending))
+    state.accepted.copy_(torch.where(go.bool(), n, ABSTAINED))
+    state.cycle.add_(go)
 
 
 def accepted_path(
@@ -120,6 +143,7 @@ def tree_accept_and_commit(
     tree_hidden: Tensor | None,  # [n_sel, B, W, hidden] target states of the tree rows, or None
     chain_hidden: Tensor | None,  # [n_sel, B, >= k+1, hidden]: where the drafter reads them
     fused: bool = False,
+    abstain: Tensor | None = None,  # [1] the verify head's abstain flag
 ) -> None:
     """Accept each row's longest argmax path, compact its K/V, commit it plus the bonus
     (module docstring); the path's hidden states go to ``chain_hidden`` in chain order.
@@ -142,4 +166,4 @@ def tree_accept_and_commit(
         ns, b, _, h = tree_hidden.shape
         idx = src.clamp(max=w - 1)[None, :, :, None].expand(ns, b, k + 1, h)
         chain_hidden[:, :, : k + 1].copy_(tree_hidden.gather(2, idx))
-    commit_block(state, chain, n)
+    commit_block(state, chain, n, abstain)

@@ -16,6 +16,12 @@ The engine does not cut at stop tokens or length limits: its caller does (``engi
 scheduler.py``, the one loop over requests) and releases a finished row; a row may run up to
 ``context_margin`` slots past its limit before that, which every open batch keeps free.
 
+**Abstain protocol.** An LM head with an ``abstain_flag`` (the graph-safe exact-argmax head)
+may decline to answer a verify: its accept then commits nothing (``engine/accept.py``) and the
+read-back shows it (``accepted = ABSTAINED``; in an AR window, fewer committed tokens). The host
+then redoes that verify and accept once with the stock head (``engine/abstain.py``, graphs of
+their own) and commits as usual; the common case keeps its one read-back.
+
 Every step runs through the :class:`~specpilot.engine.runner.Runner`: eagerly, or replayed from
 CUDA graphs captured per shape key (the default on CUDA). The forward is the one layer body of
 ``models/forward.py``. Rows: ``engine/rows.py``; admission of prompts: :meth:`Engine.prefill`.
@@ -31,7 +37,8 @@ import torch
 from torch import Tensor
 
 from specpilot.drafters.base import Drafter, gateable
-from specpilot.engine.accept import accept_and_commit
+from specpilot.engine.abstain import read_ar_steps, redo_with_stock_head
+from specpilot.engine.accept import ABSTAINED, accept_and_commit
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
@@ -97,6 +104,9 @@ class Engine:
         self.gate = gate if drafter is not None and gateable(drafter) else None
         self.unsynced: dict[int, int] = {}
         """Rows whose drafter paused (gated AR steps) -> their committed length then."""
+        self.abstains = 0
+        """Verifies (cycles or AR windows) redone with the stock head after its head abstained."""
+        self._last_verify: tuple[Callable[[], None], Callable[[], None]] | None = None
 
     # ------------------------------------------------------------------ sizes
     def context_margin(self) -> int:
@@ -135,7 +145,16 @@ class Engine:
     @property
     def verify_graph_safe(self) -> bool:
         head = self.target.argmax_head
-        return head is None or bool(getattr(head, "graph_safe", False))
+        return (
+            head is None
+            or bool(getattr(head, "graph_safe", False))
+            or hasattr(head, "abstain_flag")
+        )
+
+    @property
+    def abstain_flag(self) -> Tensor | None:
+        """``[1]`` int64: the verify head's abstain flag, if it has one (the abstain protocol)."""
+        return getattr(self.target.argmax_head, "abstain_flag", None)
 
     # ------------------------------------------------------------------ the view drafters get
     @property
@@ -199,7 +218,15 @@ class Engine:
         st.tokens.zero_()
         st.committed_len.fill_(IDLE_LEN)
         st.prev_committed.fill_(IDLE_LEN)
-        for t in (st.pending, st.active, st.cycle, st.drafts, st.draft_lens, st.accepted):
+        for t in (
+            st.pending,
+            st.active,
+            st.cycle,
+            st.drafts,
+            st.draft_lens,
+            st.accepted,
+            st.halted,
+        ):
             t.zero_()
         st.cut.fill_(self.k_max)
         self.host = HostRows.idle(batch)
@@ -290,7 +317,7 @@ class Engine:
         return out
 
     def ar_window(self, limit: int | None = None) -> list[RowCommit]:
-        h, st = self.host, self.state
+        h = self.host
         rows = [b for b, a in enumerate(h.active) if a]
         steps = min(self.sync_every, limit or self.sync_every)
         steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
@@ -298,16 +325,17 @@ class Engine:
         for s in range(steps):
             self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
             self.run_accept(0)
-        lo = min(h.lens[b] for b in rows)
-        tokens = st.tokens[:, lo : max(h.lens[b] for b in rows) + steps].cpu().tolist()
-        out = []
-        for b in rows:
-            new = tokens[b][h.lens[b] - lo : h.lens[b] - lo + steps]
-            h.lens[b] += steps
-            h.contexts[b].extend(new)
-            out.append(RowCommit(b, new, 0, 0, cycles=steps))
+        new = read_ar_steps(self, rows, steps)
+        if any(len(new[b]) < steps for b in rows):  # the head abstained at some step
+            redo_with_stock_head(
+                self,
+                lambda: self.run_verify(1, self.bucket(max(h.lens)), with_hidden=False),
+                lambda: self.run_accept(0),
+            )
+            for b, extra in read_ar_steps(self, rows, 1).items():
+                new[b] += extra
         self.times.cycles += steps
-        return out
+        return [RowCommit(b, new[b], 0, 0, cycles=len(new[b])) for b in rows]
 
     def _spec_cycle(self) -> list[RowCommit]:
         assert self.plan is not None and self.drafter is not None
@@ -317,6 +345,10 @@ class Engine:
         self.mark()
         out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
         self._clock.add_to(self.times)
+        if any(out[b][0] == ABSTAINED for b, a in enumerate(h.active) if a):
+            assert self._last_verify is not None
+            redo_with_stock_head(self, *self._last_verify)
+            out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
         commits, observed = [], []
         for b, a in enumerate(h.active):
             if not a:
@@ -333,6 +365,14 @@ class Engine:
         return commits
 
     # ------------------------------------------------------------------ steps (used by plans)
+    def verify_and_accept(self, verify: Callable[[], None], accept: Callable[[], None]) -> None:
+        """A cycle's verify then accept, kept so that the host can redo them with the stock head
+        when the verify head abstains (the abstain protocol)."""
+        self._last_verify = (verify, accept)
+        verify()
+        self.mark()
+        accept()
+
     def run_draft(self) -> list[int] | None:
         """The drafter's proposal for this cycle; host drafters' draft lengths, or None."""
         drafter, st = self.drafter, self.state
@@ -379,7 +419,7 @@ class Engine:
 
     def run_accept(self, k: int) -> None:
         st = self.state
-        self.runner.run(("accept", k), lambda: accept_and_commit(st, k), st)
+        self.runner.run(("accept", k), lambda: accept_and_commit(st, k, self.abstain_flag), st)
 
     def forward_block(
         self,
@@ -396,7 +436,7 @@ class Engine:
             tokens = tokens.index_select(0, lay.gather_index)
         assert self.cache is not None
         x = fwd.run_layers(fwd.embed(tokens), self.cache, lay, layers, hidden_out)
-        lay.to_block(fwd.argmax(x)[:, None], argmax_out[:, :, None])
+        lay.to_block(fwd.argmax(x, may_abstain=True)[:, None], argmax_out[:, :, None])
 
     def packed_layout(
         self,

@@ -162,9 +162,10 @@ class ChainPlan:
             w = _pow2_width(w, k + 1)
         drafted = [min(c, w - 1) for c in caps]  # what the verify then sees of each row
         engine.mark()
-        engine.run_verify(w, engine.bucket(max(host.lens) - 1 + w))
-        engine.mark()
-        engine.run_accept(w - 1)
+        attn_len = engine.bucket(max(host.lens) - 1 + w)
+        engine.verify_and_accept(
+            lambda: engine.run_verify(w, attn_len), lambda: engine.run_accept(w - 1)
+        )
         return w, drafted
 
 
@@ -217,9 +218,12 @@ class PackedPlan:
             lay = engine.packed_layout(rows, m, attn_len)
             engine.forward_block(block, lay, st.verify_argmax, engine.verify_hidden)
 
-        engine.runner.run(("packed_verify", m, attn_len), verify, st, engine.verify_graph_safe)
-        engine.mark()
-        engine.run_accept(k)
+        engine.verify_and_accept(
+            lambda: engine.runner.run(
+                ("packed_verify", m, attn_len), verify, st, engine.verify_graph_safe
+            ),
+            lambda: engine.run_accept(k),
+        )
         return k + 1, [max(w - 1, 0) for w in widths]
 
 
@@ -343,19 +347,21 @@ class TreePlan:
             lay = engine.packed_layout(rows, m, attn_len, bufs.topo[1], bufs.visible)
             engine.forward_block(bufs.tokens, lay, bufs.argmax, bufs.hidden)
 
-        engine.runner.run(("tree_verify", m, attn_len), verify, st, engine.verify_graph_safe)
-        engine.mark()
-
         cache, fused = engine.cache, self.fused
         assert cache is not None
 
         def accept() -> None:
             tree_accept_and_commit(
                 st, bufs.tokens, bufs.argmax, bufs.topo, bufs.visible, cache, depth,
-                bufs.hidden, engine.verify_hidden, fused,
+                bufs.hidden, engine.verify_hidden, fused, engine.abstain_flag,
             )  # fmt: skip
 
-        engine.runner.run(("tree_accept", depth, fused), accept, st)
+        engine.verify_and_accept(
+            lambda: engine.runner.run(
+                ("tree_verify", m, attn_len), verify, st, engine.verify_graph_safe
+            ),
+            lambda: engine.runner.run(("tree_accept", depth, fused), accept, st),
+        )
         return depth + 1, drafted
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specpilot.engine.abstain import stock_head
 from specpilot.timing import time_call
 
 if TYPE_CHECKING:
@@ -19,14 +20,16 @@ if TYPE_CHECKING:
 @torch.inference_mode()
 def reference_continuation(engine: Engine, n: int) -> list[list[int]]:
     """The target's next ``n`` greedy tokens per row from the committed state, by AR steps of
-    the engine's own forward, not committed. Excluded from the engine's timed wall clock."""
+    the engine's own forward (with the stock LM head: a head that may abstain would halt them),
+    not committed. Excluded from the engine's timed wall clock."""
     st = engine.state
     engine.runner.synchronize()
     t0 = time.perf_counter()
     snap, base = st.snapshot(), max(engine.host.lens)
-    for s in range(n):
-        engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s)
-        engine.run_accept(0)
+    with stock_head(engine):
+        for s in range(n):
+            engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s)
+            engine.run_accept(0)
     tokens = st.tokens[:, : base + n].cpu().tolist()
     st.restore(snap)
     engine.runner.synchronize()

@@ -41,6 +41,7 @@ class RowState:
     active: Tensor  # [B] int64: 1 while a row decodes; a frozen row commits nothing
     cut: Tensor  # [B] int64: most drafts each row may keep this cycle (a width policy's)
     cycle: Tensor  # [1] int64: cycles committed so far
+    halted: Tensor  # [1] int64: 1 once a verify's head abstained; accepts commit nothing then
 
     @classmethod
     def allocate(cls, batch: int, capacity: int, k_max: int, device: torch.device) -> RowState:
@@ -59,6 +60,7 @@ class RowState:
             active=z(batch),
             cut=z(batch),
             cycle=z(1),
+            halted=z(1),
         )
         st.committed_len.fill_(IDLE_LEN)
         st.prev_committed.fill_(IDLE_LEN)
@@ -73,7 +75,9 @@ class RowState:
     def capacity(self) -> int:
         return int(self.tokens.shape[1])
 
-    _SMALL = ("pending", "committed_len", "prev_committed", "accepted", "active", "cycle")
+    _SMALL = (
+        "pending", "committed_len", "prev_committed", "accepted", "active", "cycle", "halted",
+    )  # fmt: skip
 
     def snapshot(self) -> dict[str, Tensor]:
         """Copies of the small state (tokens past committed_len are scratch and need none)."""

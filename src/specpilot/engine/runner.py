@@ -15,7 +15,8 @@ leaves in pool memory is read by another.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
@@ -36,6 +37,17 @@ class Runner:
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # torch's opaque pool handle
         self.captures = 0
+        self._variant: Hashable = None
+
+    @contextlib.contextmanager
+    def variant(self, tag: Hashable) -> Iterator[None]:
+        """Steps run meanwhile get graphs of their own (e.g. a verify redone with the stock
+        head: same key, different work)."""
+        saved, self._variant = self._variant, tag
+        try:
+            yield
+        finally:
+            self._variant = saved
 
     def reset(self) -> None:
         """Forget every graph (the buffers they were captured on are being replaced)."""
@@ -46,6 +58,8 @@ class Runner:
         if not (self.use_graphs and graph_safe):
             fn()
             return
+        if self._variant is not None:
+            key = (key, self._variant)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(fn, state)

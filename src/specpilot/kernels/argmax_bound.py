@@ -37,7 +37,11 @@ U32 = 2.0**-24
 PAD = 1.0 + 2.0**-18
 """Multiplier that absorbs the float32 roundings of the bound itself (see the proof, step 4)."""
 TAU_PAD = 2.0**-120
-"""Absolute slack for float32 underflow in the bound arithmetic (each op errs by ≤ 2^-150)."""
+"""Absolute slack for float32 underflow in the bound arithmetic (each op errs by ≤ 2^-150, or
+≤ 2^-126 where a GPU kernel flushes subnormals to zero)."""
+UNDERFLOW_PER_OP = 2.0**-124
+"""Absolute error of one fp32 op of an accumulation on underflow, ≥ a flush to zero's 2^-126
+(kernels we do not control may flush subnormals); the proof's τ terms count H + 2 of them."""
 FORMATS = ("int8", "fp16")
 
 
@@ -216,7 +220,7 @@ def row_terms(
     cheap_tau = (
         2.0**-24 * x_scale.double() * head.scale_max
         if head.fmt == "fp16"
-        else (h + 2) * 2.0**-148 * x_scale.double() * head.scale_max
+        else (h + 2) * UNDERFLOW_PER_OP * x_scale.double() * head.scale_max
     )
     tau = 2 * cheap_tau + tau_stock + TAU_PAD
     # No stock partial sum can overflow when ||x||·max||W_v|| stays well inside the dtype's range.
@@ -245,7 +249,18 @@ def block_bounds_ref(head: CheapHead, terms: RowTerms, kc: float) -> tuple[Tenso
         acc = F.linear(terms.xq, head.weight).float()  # [R, V] fp32 sums rounded once to fp16
     else:
         acc = terms.xq.float() @ head.weight.float().t()  # [R, V] exact products, fp32 sums
-    c = acc.mul_(head.scale[None, :]).mul_(terms.x_scale[:, None])  # [R, V] cheap logits
+    return bounds_from_sums(head, terms, kc, acc.mul_(head.scale[None, :]))
+
+
+def bounds_from_sums(
+    head: CheapHead,
+    terms: RowTerms,
+    kc: float,
+    scaled: Tensor,  # [R, V] fp32: fl(cheap sum) · scale[v], consumed (written over)
+) -> tuple[Tensor, Tensor]:
+    """``(upper [R, nb], lower [R, nb])`` from the scaled cheap sums of any kernel that keeps the
+    rounding model (exact products, fp32 sums in any order, one fp32 multiply by the scale)."""
+    c = scaled.mul_(terms.x_scale[:, None])  # [R, V] cheap logits (power-of-two scaling)
     # d = tau + a·beta + b·omega (one rank-2 product: ≤ 4 roundings), + kc·|c|, times PAD.
     ab = torch.stack([terms.a, terms.b], dim=1)  # [R, 2]
     beta_omega = torch.stack([head.beta, head.omega])  # [2, V]

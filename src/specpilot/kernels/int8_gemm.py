@@ -15,7 +15,7 @@ arrival counter per tile, the last split sums the partials in split order (deter
 adds the bias and rounds to bf16 once.
 
 Result: ``Σ_k x[m,k]·q[n,k]`` in fp32 (products exact: bf16 × small integer), times ``scale[n]``,
-plus the bias, rounded to bf16; the torch reference (``int8_matmul_reference``) computes the same
+plus the bias, rounded to bf16 (or kept in fp32: ``out_dtype``); the torch reference (``int8_matmul_reference``) computes the same
 quantities in another order, so the two differ by fp32 addition order and one bf16 rounding.
 Runs under ``TRITON_INTERPRET=1`` on the CPU (the same interpreter workarounds as ``w12_gemm``).
 """
@@ -76,7 +76,7 @@ def _int8_kernel(
     q_ptr,  # [N, K] int8
     scale_ptr,  # [N] fp32
     bias_ptr,  # [N] bf16 (HAS_BIAS)
-    y_ptr,  # [M, N] bf16, row stride stride_ym
+    y_ptr,  # [M, N] bf16 or fp32, row stride stride_ym
     part_ptr,  # [split, M, N] fp32 (split > 1)
     count_ptr,  # [tiles] int32, zero between calls (split > 1)
     M,
@@ -132,8 +132,13 @@ def int8_matmul(
     counters: Tensor,  # from counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     cfg: GemmConfig | None = None,
-) -> Tensor:  # [M, N] bf16
-    """``(x @ q^T) * scale (+ bias)`` with the int8 codes dequantized in registers."""
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:  # [M, N] out_dtype
+    """``(x @ q^T) * scale (+ bias)`` with the int8 codes dequantized in registers.
+
+    ``out_dtype=torch.float32`` keeps the scaled fp32 sums unrounded (the certified exact-argmax
+    head's cheap logits: exact products, fp32 accumulation, split-K partials summed in fp32, one
+    fp32 multiply by the scale)."""
     m, k = x.shape
     n = q.shape[0]
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
@@ -142,6 +147,8 @@ def int8_matmul(
         raise ValueError(f"q must be a contiguous int8 [N, {k}] matrix")
     if scale.dtype != torch.float32 or scale.shape != (n,):
         raise ValueError(f"scale must be fp32 [{n}]")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bf16 or fp32, got {out_dtype}")
     cfg = cfg or default_config(m, n, k)
     if not cfg.use_dot and m != 1:
         raise ValueError("the FMA GEMV config (use_dot=False) takes one row")
@@ -150,7 +157,7 @@ def int8_matmul(
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
     if split > 1 and grid[0] * grid[1] > counters.numel():
         raise ValueError("counter buffer too small for this split-K launch")
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
     part = (
         torch.empty(split, m, n, dtype=torch.float32, device=x.device)
         if split > 1
@@ -173,12 +180,13 @@ def int8_matmul_reference(
     q: Tensor,  # [N, K] int8
     scale: Tensor,  # [N] fp32
     bias: Tensor | None = None,  # [N]
-) -> Tensor:  # [M, N] in x's dtype
-    """Torch reference: fp32 ``(x @ q^T) * scale + bias``, cast to x's dtype."""
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:  # [M, N] in out_dtype (default: x's dtype)
+    """Torch reference: fp32 ``(x @ q^T) * scale + bias``, cast to ``out_dtype``."""
     y = (x.float() @ q.float().T) * scale
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(out_dtype or x.dtype)
 
 
 __all__ = ["counter_buffer", "int8_matmul", "int8_matmul_reference"]

@@ -150,6 +150,14 @@ def _f32_to_bf16(v, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _out_cast(v, y_ptr, INTERPRET: tl.constexpr):
+    """An fp32 tile in the output's dtype: kept fp32 for an fp32 ``y``, else rounded to bf16."""
+    if y_ptr.dtype.element_ty == tl.float32:
+        return v
+    return _f32_to_bf16(v, INTERPRET)
+
+
+@triton.jit
 def _tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """This program's output tile (grid: N tiles, M tiles, K splits): program ids, row and column
     offsets ``[BM]``, ``[BN]`` with their bounds masks, and its K range ``[k_lo, k_hi)``."""
@@ -170,11 +178,12 @@ def _store_tile(
     HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Write one ``[BM, BN]`` fp32 tile as bf16 (× per-column scale, + bias). With split-K it is
-    stored as a partial; the last split to arrive sums every partial in split order (so the
-    result is deterministic), finishes the tile and re-arms the tile's counter. ``stride_bm``:
-    the bias's row stride, 0 for a ``[N]`` bias; an ``[M, N]`` addend (a residual, added in fp32
-    before the one rounding, as ``torch.addmm`` does) has its row stride there."""
+    """Write one ``[BM, BN]`` fp32 tile as bf16 (fp32 for an fp32 ``y``) (× per-column scale,
+    + bias). With split-K it is stored as a partial; the last split to arrive sums every partial
+    in split order (so the result is deterministic), finishes the tile and re-arms the tile's
+    counter. ``stride_bm``: the bias's row stride, 0 for a ``[N]`` bias; an ``[M, N]`` addend (a
+    residual, added in fp32 before the one rounding, as ``torch.addmm`` does) has its row stride
+    there."""
     out_mask = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     b_ptrs = bias_ptr + offs_m[:, None] * stride_bm + offs_n[None, :]
@@ -183,7 +192,7 @@ def _store_tile(
             acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
             acc += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
-        tl.store(y_ptrs, _f32_to_bf16(acc, INTERPRET), mask=out_mask)
+        tl.store(y_ptrs, _out_cast(acc, y_ptr, INTERPRET), mask=out_mask)
     else:
         tile_off = offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
@@ -203,7 +212,7 @@ def _store_tile(
                 total = total * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
             if HAS_BIAS:
                 total += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
-            tl.store(y_ptrs, _f32_to_bf16(total, INTERPRET), mask=out_mask)
+            tl.store(y_ptrs, _out_cast(total, y_ptr, INTERPRET), mask=out_mask)
             tl.atomic_xchg(count_ptr + tile, 0)
 
 

@@ -26,7 +26,8 @@ each logit by multiplying input pairs (rounded first to TF32/bf16 when fp32 matm
 use them, relative error ≤ 2u_in), accumulating in fp32 or wider in any order (error ≤ κ·A_v with κ = γ_H = H·2^-24/(1 − H·2^-24)
 on the CPU and κ = H·2^-21 = 8·H·2^-24 on CUDA, for truncating tensor-core adders), rounding partial
 sums to the output dtype at most once (split-K reductions, ≤ u_p·A_v with u_p = u_out for 16-bit
-dtypes) and the result once (≤ u_out·|z_v|), with underflow adding ≤ τ_out absolute. Hence
+dtypes) and the result once (≤ u_out·|z_v|), with underflow adding ≤ τ_out absolute (H + 2 ops
+of ≤ 2^-124 each: a kernel may flush subnormals to zero). Hence
     |z_v − s_v| ≤ ε·||x||·||w_v|| + u_out·|z_v| + τ_out,  ε = (κ + u_p + 2.02·u_in)(1 + u_out).
 Overflow is excluded by rejecting rows with ||x||·max_v||w_v|| ≥ max(dtype)/4 (tier 3).
 
@@ -51,7 +52,8 @@ does v_M itself (its upper bound ≥ its lower bound = M).
 Step 4 (rounding of the bound itself). The kernel evaluates D = PAD·(((a'·β + b'·ω) + k·|c|) + τ')
 in fp32, where a', b', τ' are a, b, τ times (1 + 2u_out) rounded up, k = (1 + 2u_out)(k_c + 8·2^-24)
 rounded up, and PAD = 1 + 2^-18. That is ≤ 7 roundings of non-negative terms, each losing at most
-a factor (1 − 2^-24), or 2^-150 absolute on underflow (covered by the extra 2^-120 in τ), and
+a factor (1 − 2^-24), or ≤ 2^-126 absolute on underflow, flush to zero included (covered by the
+extra 2^-120 in τ), and
 (1 + 2^-18)(1 − 2^-24)^7 ≥ 1 + 2^-19, so D ≥ (1 + 2^-19)·D* + 8·2^-24|c|. Then
 fl(c + D) ≥ c + D − 2^-24(|c| + D) ≥ c + D*, and likewise fl(c − D) ≤ c − D*: the computed
 bounds are valid. NaN or ±inf anywhere in a row (inputs, c, bounds) sends the call to tier 3
@@ -72,11 +74,23 @@ torch.argmax returns.
 Step 6 (stock). Otherwise the call returns the stock call's own argmax on the same input, which
 is the stock result by definition (kernels are deterministic for a fixed input and shape).
 So the returned ids always equal the stock argmax; only speed depends on the data.
+
+The graph-safe head (``mechanisms/exact_argmax_graph.py``) computes the same steps differently:
+Step 1 through the INT8 GEMM with fp32 output (``kernels/int8_gemm.py``: the products x̂_i·q_vi
+exact, fp32 sums in a fixed order with split-K partials added in fp32 — "any order" above — and
+one fp32 multiply by σ_v; the multiply by x_s in the epilogue is exact), or in one fused kernel
+for the row terms (``kernels/argmax_fused.py``: the same norms, float64 sums in another order,
+covered by the 2^-40 pad, then rounded up to float32). Step 3b (fixed shapes): only the C blocks
+with the largest upper bounds are refined, and a row counts as certified only if the (C+1)-th
+largest upper bound is < M; then every block with upper ≥ M is among the C, so step 3 holds for
+them. Step 6 becomes *abstain*: the call returns meaningless ids with a device flag set, and its
+only caller that reads ids without checking the flag first, the engine's verify, commits nothing
+and redoes the verify with the stock head (``engine/abstain.py``); calling the head itself checks
+the flag on the host and returns the stock call's argmax, as here.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -86,48 +100,28 @@ from torch import Tensor
 
 from specpilot.kernels import triton_usable
 from specpilot.kernels.argmax_bound import (
-    U32,
     CheapHead,
-    RowTerms,
-    accumulation_error,
     block_bounds_blockwise,
     block_bounds_ref,
     block_bounds_triton,
     prepare_cheap_head,
-    row_terms,
 )
+from specpilot.mechanisms.exact_argmax_cert import (
+    BoundsFn,
+    StockRounding,
+    bound_rows,
+    certified_pick,
+    cheap_format,
+    refine_intervals,
+    stock_argmax,
+    stock_rounding,
+)
+from specpilot.mechanisms.exact_argmax_graph import GraphArgmaxHead
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
-
-
-@dataclass(frozen=True, slots=True)
-class StockRounding:
-    """The stock head's rounding model (module docstring): |z − s| ≤ eps·||x||·||w|| + u_out|z| + tau."""
-
-    eps: float
-    u_out: float
-    tau: float
-    max_logit: float
-
-
-def stock_rounding(dtype: torch.dtype, device: torch.device, hidden: int) -> StockRounding:
-    """Read from the dtype, the device and torch's current matmul precision settings."""
-    u_out = 0.0 if dtype == torch.float32 else float(torch.finfo(dtype).eps) / 2
-    u_p = u_out
-    u_in = 0.0
-    if device.type == "cuda" and dtype == torch.float32:
-        prec = torch.get_float32_matmul_precision()
-        if prec == "medium":
-            u_in = 2.0**-8
-        elif prec == "high" or torch.backends.cuda.matmul.allow_tf32:
-            u_in = 2.0**-11
-    eps = (accumulation_error(hidden, device) + u_p + 2.02 * u_in) * (1 + u_out)
-    tiny = float(torch.finfo(dtype).smallest_normal) * float(torch.finfo(dtype).eps)
-    tau = (hidden + 2) * 2.0**-148 + tiny
-    return StockRounding(eps=eps, u_out=u_out, tau=tau, max_logit=float(torch.finfo(dtype).max))
 
 
 @dataclass(slots=True)
@@ -150,12 +144,6 @@ class HeadStats:
         }
 
 
-def _kc(head: CheapHead, stock: StockRounding) -> float:
-    """Coefficient of |c| in the fp32 bound (step 4): k_c, the stock output rounding and 8u."""
-    k = (1 + 2 * stock.u_out) * (2 * head.cheap_roundoff() + 2 * stock.u_out + 8 * U32)
-    return k * (1 + 2.0**-20)  # ≥ k after the cast to float32
-
-
 def certify(
     x: Tensor,  # [N, H] final-normed hidden rows
     head: CheapHead,
@@ -167,20 +155,14 @@ def certify(
     blockwise: bool = True,
 ) -> Tensor | None:
     """Certified argmax ids ``[N]``, or None when some row needs the stock path (tier 3)."""
-    # (1 + 2u_out) of step 2 is folded into the row terms.
-    terms: RowTerms = row_terms(
-        x, head, stock.eps, stock.tau, stock.max_logit, grow=1 + 2 * stock.u_out
-    )
-    kc = _kc(head, stock)
     if use_triton:
-        bounds = block_bounds_triton
+        bounds: BoundsFn = block_bounds_triton
     elif head.fmt == "fp16" and blockwise:
         bounds = block_bounds_blockwise
     else:
         bounds = block_bounds_ref
-    upper, lower = bounds(head, terms, kc)  # [N, nb] each
-    best_lower = lower.amax(dim=1)  # [N]: M_r
-    ok = terms.ok & torch.isfinite(upper).all(dim=1) & torch.isfinite(best_lower)
+    bd = bound_rows(x, head, stock, bounds)
+    terms, upper, best_lower, ok = bd.terms, bd.upper, bd.best_lower, bd.ok
     cand = upper >= best_lower[:, None]  # [N, nb]
     blocks = cand.any(dim=0).nonzero().squeeze(1)  # [nc] union over rows (host sync)
     if stats is not None:
@@ -192,23 +174,13 @@ def certify(
     valid = ids < head.vocab
     ids = ids.clamp(max=head.vocab - 1)
     s_hat = x.double() @ lm_head[ids].double().t()  # [N, n]
-    h = head.hidden
-    omega = head.omega[ids].double()  # [n]
-    err = (1 + 2 * stock.u_out) * (1 + 2.0**-30) * (
-        (stock.eps + 2 * h * 2.0**-53) * terms.x_norm[:, None] * omega[None]
-        + stock.u_out * s_hat.abs()
-        + stock.tau
-    ) + 2.0**-50 * s_hat.abs()  # [N, n]
     row_cand = cand[:, ids // bsz] & valid[None, :]  # [N, n]
-    lo = torch.where(row_cand, s_hat - err, -math.inf)
-    hi = torch.where(row_cand, s_hat + err, -math.inf)
-    pick = lo.argmax(dim=1, keepdim=True)  # [N, 1]
-    pick_lo = lo.gather(1, pick).squeeze(1)
-    others = hi.scatter(1, pick, -math.inf).amax(dim=1)
-    certified = torch.isfinite(pick_lo) & (pick_lo > others)
+    omega = head.omega[ids].double()  # [n]
+    lo, hi = refine_intervals(s_hat, omega, terms.x_norm, row_cand, stock, head.hidden)
+    pick, certified = certified_pick(lo, hi)
     if not bool(certified.all()):
         return None
-    return ids[pick.squeeze(1)]
+    return ids[pick]
 
 
 class ExactArgmaxHead:
@@ -227,21 +199,7 @@ class ExactArgmaxHead:
         use_triton: bool | None = None,
     ) -> None:
         dev = model.device
-        if fmt == "auto":
-            fmt = "int8" if dev.type == "cuda" else "fp16"
-        if fmt == "fp16":
-            reduced = (
-                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
-                if dev.type == "cuda"
-                else getattr(
-                    torch._C, "_get_cpu_allow_fp16_reduced_precision_reduction", lambda: True
-                )()
-            )
-            if reduced:
-                raise ValueError(
-                    "The fp16 certified head needs fp32 accumulation; turn off fp16 reduced-"
-                    "precision reduction or use fmt='int8'."
-                )
+        fmt = cheap_format(fmt, dev, "int8" if dev.type == "cuda" else "fp16")
         self.model = model
         self.head = prepare_cheap_head(model.lm_head.detach(), fmt, block)
         if use_triton is None:
@@ -252,9 +210,7 @@ class ExactArgmaxHead:
 
     def stock(self, x: Tensor) -> Tensor:
         """Tier 3: exactly what ``Transformer.forward_argmax`` does without a plug."""
-        b, r, h = x.shape
-        logits = self.model.stock_forward().logits_normed(x.reshape(b * r, h))
-        return logits.argmax(dim=-1).view(b, r)
+        return stock_argmax(self.model, x)
 
     def __call__(self, x: Tensor) -> Tensor:  # x: [B, R, H] → [B, R] int64
         b, r, h = x.shape
@@ -279,11 +235,17 @@ class ExactArgmaxHead:
 
 def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     model = build.target.model
+    path = str(knobs["path"])
+    if path == "auto":
+        path = "graph" if model.device.type == "cuda" else "host"
+    fmt, block = str(knobs["format"]), int(knobs["block"])
+    if path == "graph":
+        model.argmax_head = GraphArgmaxHead(
+            model, fmt=fmt, block=block, candidates=int(knobs["candidates"])
+        )
+        return
     model.argmax_head = ExactArgmaxHead(
-        model,
-        fmt=str(knobs["format"]),
-        block=int(knobs["block"]),
-        max_refine_rows=int(knobs["max_refine_rows"]),
+        model, fmt=fmt, block=block, max_refine_rows=int(knobs["max_refine_rows"])
     )
 
 
@@ -295,7 +257,8 @@ MECHANISM = Mechanism(
         "Rigorous per-block bounds on every stock logit (low-precision copy + Cauchy–Schwarz error "
         "terms + the stock kernel's rounding model) prune the vocabulary; a winner is returned only "
         "if its float64 interval lies strictly above every other candidate's, else the stock head "
-        "itself answers. Proof in mechanisms/exact_argmax.py."
+        "itself answers (the graph-safe head abstains instead and the engine redoes that verify "
+        "with the stock head before committing). Proof in mechanisms/exact_argmax.py."
     ),
     apply=_apply,
     knobs=(
@@ -307,15 +270,34 @@ MECHANISM = Mechanism(
         ),
         Knob("block", 64, choices=(32, 64, 128), doc="vocabulary rows per bound block"),
         Knob(
+            "path",
+            "auto",
+            choices=("auto", "graph", "host"),
+            doc="graph: fixed shapes, abstain flag, CUDA graphs (exact_argmax_graph.py); host: "
+            "decides on the host, runs eagerly; auto: graph on CUDA, host elsewhere",
+        ),
+        Knob(
+            "candidates",
+            8,
+            low=1,
+            high=64,
+            doc="graph path: blocks refined per row (C); a row needing more makes the call abstain",
+        ),
+        Knob(
             "max_refine_rows",
             4096,
             low=64,
             high=65536,
-            doc="most vocabulary rows refined in float64 per call before the stock head answers",
+            doc="host path: most vocabulary rows refined in float64 per call before the stock "
+            "head answers",
         ),
     ),
     applies=Applicability(),
-    summary="LM-head argmax from an int8/fp16 copy with a rigorous certificate; stock fallback",
+    summary=(
+        "LM-head argmax from an int8/fp16 copy with a rigorous certificate; stock fallback. Pays "
+        "where the head's bytes are a large part of a step (small targets, big vocabularies); "
+        "never for a drafter's head (exact_argmax_cost.py)"
+    ),
 )
 
 

@@ -380,10 +380,14 @@ class Forward(Generic[NetT]):
             return h @ m.lm_head_in_out
         return F.linear(h, m.lm_head)
 
-    def argmax(self, x: Tensor) -> Tensor:  # [M, hidden] -> [M] int64
-        """The greedy token after each row; the ``lm_head_argmax`` plug point when installed."""
+    def argmax(self, x: Tensor, may_abstain: bool = False) -> Tensor:  # [M, hidden] -> [M] int64
+        """The greedy token after each row; the ``lm_head_argmax`` plug point when installed.
+        ``may_abstain``: the caller honours the head's ``abstain_flag`` (the engine's verify), so
+        a head that has one may answer with its graph-safe ``abstaining`` call."""
         head = self.model.argmax_head
         if head is not None:
+            if may_abstain and hasattr(head, "abstain_flag"):
+                head = head.abstaining  # type: ignore[attr-defined]
             return head(self.final_hidden(x)[None])[0]
         return self.logits(x).argmax(dim=-1)
 

@@ -1,0 +1,61 @@
+"""The abstain protocol's host side: what the engine does when its verify head declined to answer.
+
+An LM head with an ``abstain_flag`` (``mechanisms/exact_argmax_graph.py``) may return meaningless
+ids with the flag set. The verify's accept then commits nothing and halts (``engine/accept.py``:
+``state.halted``, ``accepted = ABSTAINED``), so the device state is exactly as before the verify.
+The host sees it in the cycle's one read-back (``accepted``; in an AR window, the committed
+lengths: steps after the abstaining one were halted too), commits what was committed, and redoes
+the verify and its accept once with the stock head: no plug, hence no flag, in graphs of their own
+(``Runner.variant``). Then it reads that back and commits as usual. Only the abstaining cycle
+costs a second verify and read-back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from specpilot.engine.engine import Engine
+
+
+@contextlib.contextmanager
+def stock_head(engine: Engine) -> Iterator[None]:
+    """Steps run meanwhile use the stock LM head (no plug, so no flag), in graphs of their own."""
+    target = engine.target
+    head, target.argmax_head = target.argmax_head, None
+    try:
+        with engine.runner.variant("stock-head"):
+            yield
+    finally:
+        target.argmax_head = head
+
+
+def redo_with_stock_head(
+    engine: Engine, verify: Callable[[], None], accept: Callable[[], None]
+) -> None:
+    """Clear the halt, then run ``verify`` and ``accept`` with the stock LM head."""
+    engine.state.halted.zero_()
+    engine.abstains += 1
+    with stock_head(engine):
+        verify()
+        accept()
+
+
+def read_ar_steps(engine: Engine, rows: list[int], steps: int) -> dict[int, list[int]]:
+    """One read-back of up to ``steps`` AR steps since the host mirror: per row the tokens the
+    device committed (all ``steps`` unless the head abstained), added to the mirror."""
+    h, st = engine.host, engine.state
+    lo = min(h.lens[b] for b in rows)
+    hi = max(h.lens[b] for b in rows) + steps
+    out = torch.cat([st.committed_len[:, None], st.tokens[:, lo:hi]], dim=1).cpu().tolist()
+    new = {}
+    for b in rows:
+        n = min(out[b][0] - h.lens[b], steps)
+        new[b] = out[b][1 + h.lens[b] - lo : 1 + h.lens[b] - lo + n]
+        h.lens[b] += n
+        h.contexts[b].extend(new[b])
+    return new
