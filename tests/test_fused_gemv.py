@@ -375,7 +375,8 @@ def test_fused_variants_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
-    """The bench script end to end on tiny shapes (about 90 s in the interpreter)."""
+    """The bench script end to end on tiny shapes, W12 arms left out (the engine test above runs
+    W12 + fused; about 40 s in the interpreter)."""
     import json
 
     out = run_interpreted(
@@ -386,6 +387,7 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             str(tmp_path),
             "--budget-s",
             "5",
+            "--no-w12",
         ],
         400,
     )
@@ -397,9 +399,9 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             assert row["check"].get("prologue_max_ulps", 0) <= 1, (name, m)
             assert all("us" in row[v] for v in ("cublas", "gemv", "fused")), (name, m)
     e2e = res["e2e"]
-    assert set(e2e["checks"]) == {"fused", "w12+fused", "w12"}, e2e
+    assert set(e2e["checks"]) == {"fused"}, e2e
     assert all(c["forcing_mismatches"] == 0 for c in e2e["checks"].values()), e2e
-    assert e2e["fused_calls"] > 0 and e2e["w12_fused_calls"] > 0, e2e
+    assert e2e["fused_calls"] > 0, e2e
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels' GPU path")
