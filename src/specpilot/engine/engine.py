@@ -16,11 +16,8 @@ The engine does not cut at stop tokens or length limits: its caller does (``engi
 scheduler.py``, the one loop over requests) and releases a finished row; a row may run up to
 ``context_margin`` slots past its limit before that, which every open batch keeps free.
 
-**Abstain protocol.** An LM head with an ``abstain_flag`` (the graph-safe exact-argmax head)
-may decline to answer a verify: its accept then commits nothing (``engine/accept.py``) and the
-read-back shows it (``accepted = ABSTAINED``; in an AR window, fewer committed tokens). The host
-then redoes that verify and accept once with the stock head (``engine/abstain.py``, graphs of
-their own) and commits as usual; the common case keeps its one read-back.
+The cycle bodies are in ``engine/cycles.py``; a verify head that may abstain (the graph-safe
+exact-argmax head) has its verify redone with the stock head there (``engine/abstain.py``).
 
 Every step runs through the :class:`~specpilot.engine.runner.Runner`: eagerly, or replayed from
 CUDA graphs captured per shape key (the default on CUDA). The forward is the one layer body of
@@ -37,8 +34,8 @@ import torch
 from torch import Tensor
 
 from specpilot.drafters.base import Drafter, gateable
-from specpilot.engine.abstain import read_ar_steps, redo_with_stock_head
-from specpilot.engine.accept import ABSTAINED, accept_and_commit
+from specpilot.engine.accept import accept_and_commit
+from specpilot.engine.cycles import ar_window, spec_cycle
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
@@ -100,13 +97,14 @@ class Engine:
         self._hidden: Tensor | None = None  # [n_sel, B, k_max+1, hidden]
         self._draft_host: Tensor | None = None  # [B, k+1] pinned: host drafts + their lengths
         self.host = HostRows.idle(0)
-        self._clock = PhaseClock(self.device)
+        self.clock = PhaseClock(self.device)
         self.gate = gate if drafter is not None and gateable(drafter) else None
         self.unsynced: dict[int, int] = {}
         """Rows whose drafter paused (gated AR steps) -> their committed length then."""
         self.abstains = 0
         """Verifies (cycles or AR windows) redone with the stock head after its head abstained."""
-        self._last_verify: tuple[Callable[[], None], Callable[[], None]] | None = None
+        self.last_verify: tuple[Callable[[], None], Callable[[], None]] | None = None
+        """The last cycle's verify and accept steps (redone when the verify head abstains)."""
 
     # ------------------------------------------------------------------ sizes
     def context_margin(self) -> int:
@@ -214,21 +212,7 @@ class Engine:
             )
         if self.cache is None or self.batch != batch:
             self._allocate(batch, self.slots)
-        st = self.state
-        st.tokens.zero_()
-        st.committed_len.fill_(IDLE_LEN)
-        st.prev_committed.fill_(IDLE_LEN)
-        for t in (
-            st.pending,
-            st.active,
-            st.cycle,
-            st.drafts,
-            st.draft_lens,
-            st.accepted,
-            st.halted,
-        ):
-            t.zero_()
-        st.cut.fill_(self.k_max)
+        self.state.reset(cut=self.k_max)
         self.host = HostRows.idle(batch)
         self.unsynced = {}
         if self.gate is not None:
@@ -309,7 +293,7 @@ class Engine:
             out = gated_ar_window(self, gate)
         else:
             resync_drafter(self)
-            out = self._spec_cycle()
+            out = spec_cycle(self)
             if gate is not None:
                 seconds = time.perf_counter() - t0 - (self.times.excluded - excluded0)
                 gate.observe_cycle(seconds, [(c.row, len(c.tokens)) for c in out])
@@ -317,58 +301,14 @@ class Engine:
         return out
 
     def ar_window(self, limit: int | None = None) -> list[RowCommit]:
-        h = self.host
-        rows = [b for b, a in enumerate(h.active) if a]
-        steps = min(self.sync_every, limit or self.sync_every)
-        steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
-        base = max(h.lens)
-        for s in range(steps):
-            self.run_verify(1, self.bucket(base + s), with_hidden=False, offset=s)
-            self.run_accept(0)
-        new = read_ar_steps(self, rows, steps)
-        if any(len(new[b]) < steps for b in rows):  # the head abstained at some step
-            redo_with_stock_head(
-                self,
-                lambda: self.run_verify(1, self.bucket(max(h.lens)), with_hidden=False),
-                lambda: self.run_accept(0),
-            )
-            for b, extra in read_ar_steps(self, rows, 1).items():
-                new[b] += extra
-        self.times.cycles += steps
-        return [RowCommit(b, new[b], 0, 0, cycles=len(new[b])) for b in rows]
-
-    def _spec_cycle(self) -> list[RowCommit]:
-        assert self.plan is not None and self.drafter is not None
-        h, st = self.host, self.state
-        self._clock.start(self.profile)
-        w, drafted = self.plan.cycle(self)
-        self.mark()
-        out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
-        self._clock.add_to(self.times)
-        if any(out[b][0] == ABSTAINED for b, a in enumerate(h.active) if a):
-            assert self._last_verify is not None
-            redo_with_stock_head(self, *self._last_verify)
-            out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
-        commits, observed = [], []
-        for b, a in enumerate(h.active):
-            if not a:
-                continue
-            n = out[b][0]
-            toks = out[b][1 : n + 2]
-            observed.append((b, h.lens[b], toks))
-            h.lens[b] += n + 1
-            h.contexts[b].extend(toks)
-            self.plan.observe(b, drafted[b], n)
-            commits.append(RowCommit(b, toks, drafted[b], n))
-        self.times.cycles += 1
-        self.drafter.observe(self, observed)
-        return commits
+        """Up to ``sync_every`` AR steps (``limit`` at most) read back once (``engine/cycles.py``)."""
+        return ar_window(self, limit)
 
     # ------------------------------------------------------------------ steps (used by plans)
     def verify_and_accept(self, verify: Callable[[], None], accept: Callable[[], None]) -> None:
         """A cycle's verify then accept, kept so that the host can redo them with the stock head
         when the verify head abstains (the abstain protocol)."""
-        self._last_verify = (verify, accept)
+        self.last_verify = (verify, accept)
         verify()
         self.mark()
         accept()
@@ -456,7 +396,7 @@ class Engine:
     def mark(self) -> None:
         """A phase boundary of the current cycle (recorded only when profiling)."""
         if self.profile:
-            self._clock.mark()
+            self.clock.mark()
 
     def time_forward(self, width: int, iters: int = 20) -> float:
         """Seconds per target forward of ``width`` tokens per row (``engine/probes.py``)."""

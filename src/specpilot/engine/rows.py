@@ -75,6 +75,18 @@ class RowState:
     def capacity(self) -> int:
         return int(self.tokens.shape[1])
 
+    def reset(self, cut: int) -> None:
+        """Every row idle (frozen at ``IDLE_LEN``), nothing drafted, no cycle, no halt;
+        ``cut`` (the most drafts a row may keep) at ``cut``."""
+        self.tokens.zero_()
+        self.committed_len.fill_(IDLE_LEN)
+        self.prev_committed.fill_(IDLE_LEN)
+        for t in (self.pending, self.active, self.cycle, self.drafts, self.draft_lens):
+            t.zero_()
+        self.accepted.zero_()
+        self.halted.zero_()
+        self.cut.fill_(cut)
+
     _SMALL = (
         "pending", "committed_len", "prev_committed", "accepted", "active", "cycle", "halted",
     )  # fmt: skip

@@ -1,0 +1,74 @@
+"""The two cycle bodies of the engine (``engine/engine.py``): a window of AR steps, and one
+speculative cycle through the verify plan. Both end with the one device→host read-back of what the
+device committed and extend the host mirror of each row; both follow the abstain protocol
+(``engine/abstain.py``) when the verify head declines to answer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specpilot.engine.abstain import read_ar_steps, redo_with_stock_head
+from specpilot.engine.accept import ABSTAINED
+from specpilot.engine.types import RowCommit
+
+if TYPE_CHECKING:
+    from specpilot.engine.engine import Engine
+
+
+def ar_window(engine: Engine, limit: int | None = None) -> list[RowCommit]:
+    """``sync_every`` AR steps (at most ``limit``, and no more than the rows' room) queued,
+    then read back once; after an abstain, the rest of the window halted and one stock step."""
+    h = engine.host
+    rows = [b for b, a in enumerate(h.active) if a]
+    steps = min(engine.sync_every, limit or engine.sync_every)
+    steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
+    base = max(h.lens)
+    for s in range(steps):
+        engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s)
+        engine.run_accept(0)
+    new = read_ar_steps(engine, rows, steps)
+    if any(len(new[b]) < steps for b in rows):  # the head abstained at some step
+        redo_with_stock_head(
+            engine,
+            lambda: engine.run_verify(1, engine.bucket(max(h.lens)), with_hidden=False),
+            lambda: engine.run_accept(0),
+        )
+        for b, extra in read_ar_steps(engine, rows, 1).items():
+            new[b] += extra
+    engine.times.cycles += steps
+    return [RowCommit(b, new[b], 0, 0, cycles=len(new[b])) for b in rows]
+
+
+def spec_cycle(engine: Engine) -> list[RowCommit]:
+    """Draft, verify and accept through the plan, one read-back of ``[accepted, a_0..]`` per
+    row (again after a verify redone with the stock head), then the commit on the host."""
+    assert engine.plan is not None and engine.drafter is not None
+    h, st = engine.host, engine.state
+    engine.clock.start(engine.profile)
+    w, drafted = engine.plan.cycle(engine)
+    engine.mark()
+    out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
+    engine.clock.add_to(engine.times)
+    if any(out[b][0] == ABSTAINED for b, a in enumerate(h.active) if a):
+        assert engine.last_verify is not None
+        redo_with_stock_head(engine, *engine.last_verify)
+        out = torch.cat([st.accepted[:, None], st.verify_argmax[:, :w]], dim=1).cpu().tolist()
+    commits, observed = [], []
+    for b, a in enumerate(h.active):
+        if not a:
+            continue
+        n = out[b][0]
+        toks = out[b][1 : n + 2]
+        observed.append((b, h.lens[b], toks))
+        h.lens[b] += n + 1
+        h.contexts[b].extend(toks)
+        engine.plan.observe(b, drafted[b], n)
+        commits.append(RowCommit(b, toks, drafted[b], n))
+    engine.times.cycles += 1
+    engine.drafter.observe(engine, observed)
+    return commits
+
+
+__all__ = ["ar_window", "spec_cycle"]
