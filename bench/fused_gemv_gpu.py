@@ -58,7 +58,7 @@ from w12_gpu import kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
 from specpilot.kernels import decode_triton, reference
 from specpilot.kernels.fused_gemv import norm_gemv, residual_gemv, silu_gemv
-from specpilot.kernels.w12_gemm import counter_buffer
+from specpilot.kernels.gemm_common import counter_buffer
 from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv
 
 MATRICES = {

@@ -42,12 +42,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from specpilot.bench.records import git_rev
-from specpilot.kernels.w12_gemm import (
-    GemmConfig,
-    bf16_matmul,
-    counter_buffer,
-    w12_matmul,
-)
+from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
+from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
 
 LLAMA3_8B = {

@@ -51,12 +51,8 @@ from w12_gpu import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 
 from specpilot.bench.records import git_rev
 from specpilot.costmodel.weight_format import predicted_w12_forward_s
-from specpilot.kernels.w12_gemm import (
-    GemmConfig,
-    bf16_matmul,
-    counter_buffer,
-    w12_matmul,
-)
+from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
+from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
 from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
 from specpilot.mechanisms.w12_format import decode, encode
 

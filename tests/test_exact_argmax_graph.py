@@ -314,8 +314,8 @@ def _group_kernels() -> None:
         refine_logits,
         refine_logits_ref,
     )
+    from specpilot.kernels.gemm_common import GemmConfig
     from specpilot.kernels.int8_gemm import counter_buffer, int8_matmul, int8_matmul_reference
-    from specpilot.kernels.w12_gemm import GemmConfig
     from specpilot.mechanisms.exact_argmax_cert import kc_coefficient, stock_rounding
 
     g = torch.Generator().manual_seed(0)

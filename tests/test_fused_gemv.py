@@ -83,7 +83,7 @@ def _group_kernels(fmt: str) -> None:
         silu_gemv,
         silu_linear_ref,
     )
-    from specpilot.kernels.w12_gemm import counter_buffer
+    from specpilot.kernels.gemm_common import counter_buffer
     from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
     from specpilot.mechanisms.w12_format import decode, encode
 

@@ -263,8 +263,8 @@ def test_kernel_matches_reference_in_interpreter() -> None:
 
 # ---------------------------------------------------------------- groups run in the subprocess
 def _group_kernel() -> None:
+    from specpilot.kernels.gemm_common import GemmConfig
     from specpilot.kernels.int8_gemm import counter_buffer, int8_matmul, int8_matmul_reference
-    from specpilot.kernels.w12_gemm import GemmConfig
     from specpilot.mechanisms.int8_copy import Int8Linear
 
     cases = [  # (N, K, M, config): FMA GEMV, dot, split-K with ragged N and K, default config

@@ -247,7 +247,8 @@ def test_v3_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the PTX decode needs a CUDA GPU")
 def test_prmt_decode_on_gpu() -> None:
     """The inline-PTX decode gives bit for bit the plain decode's output, within the bound."""
-    from specpilot.kernels.w12_gemm import GemmConfig, counter_buffer, w12_matmul
+    from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
+    from specpilot.kernels.w12_gemm import w12_matmul
 
     dev = torch.device("cuda")
     for i, (m, n, k, cfg) in enumerate([
@@ -333,13 +334,8 @@ def _weights(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _group_kernel() -> None:
-    from specpilot.kernels.w12_gemm import (
-        GemmConfig,
-        bf16_matmul,
-        counter_buffer,
-        w12_matmul,
-        w12_matmul_reference,
-    )
+    from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
+    from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul, w12_matmul_reference
 
     cases = [  # (M, N, K, config, with bias)
         (1, 48, 70, GemmConfig(block_n=16, block_k=64, use_dot=False), False),
@@ -412,7 +408,8 @@ def _positioned_escapes(n: int, k: int, seed: int) -> torch.Tensor:
 
 
 def _group_gemv() -> None:
-    from specpilot.kernels.w12_gemm import counter_buffer, w12_matmul
+    from specpilot.kernels.gemm_common import counter_buffer
+    from specpilot.kernels.w12_gemm import w12_matmul
     from specpilot.kernels.w12_gemv import ESC_STEP, GemvConfig, bf16_gemv, w12_gemv
     from specpilot.kernels.w12_linear import w12_linear
 

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from specpilot.kernels.argmax_bound import PAD, TAU_PAD, UNDERFLOW_PER_OP, CheapHead, RowTerms
-from specpilot.kernels.w12_gemm import _f32_to_bf16
+from specpilot.kernels.gemm_common import _f32_to_bf16
 
 
 def _interpret() -> bool:

@@ -48,7 +48,7 @@ from specpilot.kernels.decode_attn_plan import (
     block_m,
     split_plan,
 )
-from specpilot.kernels.w12_gemm import _f32_to_bf16
+from specpilot.kernels.gemm_common import _f32_to_bf16
 
 LOG2E = 1.4426950408889634
 MERGE_ELEMS = 4096

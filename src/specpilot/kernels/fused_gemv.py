@@ -56,7 +56,7 @@ def norm_gemv(
     norm_weight: Tensor,  # [K] bf16
     eps: float,
     w: Weight,  # [N, K]
-    counters: Tensor,  # from w12_gemm.counter_buffer(N)
+    counters: Tensor,  # from gemm_common.counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     cfg: GemvConfig | None = None,
     ptx: bool = True,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from specpilot.kernels.w12_gemm import _bf16_to_f32
+from specpilot.kernels.gemm_common import _bf16_to_f32
 
 
 @triton.jit

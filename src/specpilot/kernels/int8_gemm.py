@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.w12_gemm import (
+from specpilot.kernels.gemm_common import (
     MAX_SPLIT_K,
     GemmConfig,
     _bf16_to_f32,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from specpilot.kernels.gemm_common import _bits_to_f32
+
 _EXP = """
     and.b32 el, {c}, 0x0F0F0F0F;
     add.u32 el, el, {b};
@@ -133,6 +135,62 @@ def decode_tile_bits_ops(sm, partner, cb, base, HIGH: tl.constexpr):
     code = (cb.to(tl.int32) >> 4) if HIGH else (cb.to(tl.int32) & 0xF)
     s = partner.to(tl.int32) & 1
     return (s << 15) | ((code + base) << 7) | (sm.to(tl.int32) >> 1)
+
+
+# The GEMM's half-group decode (``w12_gemm``): the same bits, one half of a 64-column group.
+@triton.jit
+def _decode_ops(sm, cb, base, HIGH: tl.constexpr):
+    """Plain Triton decode: ``sm`` uint8, ``cb`` uint8 code bytes (the low or the ``HIGH`` nibble
+    is this half's code), ``base`` int32 ``[BN, 1]`` -> bf16 bit patterns in int32 (an escape,
+    code 0, gives the placeholder exponent ``base``)."""
+    smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
+    cbi = cb.to(tl.int32)
+    code = (cbi >> 4) if HIGH else (cbi & 0xF)
+    return (smi & 0x807F) | ((code + base) << 7)
+
+
+_PRMT_ASM = """{{
+    .reg .b32 c, s01, s23, c01, c23, m;
+    {code}
+    prmt.b32 s01, $2, 0, 0x9180;
+    prmt.b32 s23, $2, 0, 0xB3A2;
+    prmt.b32 c01, c, 0, 0x4140;
+    prmt.b32 c23, c, 0, 0x4342;
+    shl.b32 c01, c01, 3;
+    shl.b32 c23, c23, 3;
+    mov.b32 m, 0x807F807F;
+    lop3.b32 s01, s01, m, c01, 0xE2;
+    lop3.b32 s23, s23, m, c23, 0xE2;
+    add.u32 $0, s01, $4;
+    add.u32 $1, s23, $4;
+    }}"""
+_PRMT_HIGH = tl.constexpr(_PRMT_ASM.format(code="mov.b32 c, $3;"))
+"""High nibbles: already in the high half of their byte."""
+_PRMT_LOW = tl.constexpr(_PRMT_ASM.format(code="shl.b32 c, $3, 4;"))
+"""Low nibbles: moved to the high half of their byte (what lands below is masked off)."""
+
+
+@triton.jit
+def _decode_prmt(sm, cb, base2, HIGH: tl.constexpr):
+    """The same decode as ``_decode_ops``, four weights per instance, as bf16: one 32-bit word of
+    ``sm`` and one of code bytes become two words of bf16 pairs with two ``prmt`` byte permutes
+    (sign-replicating the sign/mantissa bytes into 16-bit lanes), two more for the code bytes, one
+    shift per pair to move the nibble under the exponent field, one ``lop3`` to merge
+    ``(s & 0x807F) | (code << 7)`` and one add of ``base`` in both lanes (``base2`` =
+    ``base << 7 | base << 23``; no carry crosses a lane since ``base + code <= 255``)."""
+    asm: tl.constexpr = _PRMT_HIGH if HIGH else _PRMT_LOW
+    return tl.inline_asm_elementwise(
+        asm, "=r,=r,r,r,r,r,r,r", [sm, cb, base2], dtype=tl.bfloat16, is_pure=True, pack=4
+    )
+
+
+@triton.jit
+def _bits_to_operand(bits, INTERPRET: tl.constexpr):
+    """Bit patterns -> a ``tl.dot`` operand: bf16 on the GPU; exact fp32 in the interpreter,
+    whose ``dot`` multiplies the raw uint16 storage of bf16."""
+    if INTERPRET:
+        return _bits_to_f32(bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 __all__ = [

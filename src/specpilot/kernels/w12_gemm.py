@@ -44,7 +44,6 @@ Non-finite activations give non-finite outputs in both, though Inf against NaN m
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,168 +51,30 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.w12_decode import decode_tile_bits_ops, decode_tiles_bf16_ptx
+from specpilot.kernels.gemm_common import (
+    MAX_SPLIT_K,
+    GemmConfig,
+    _bf16_to_f32,
+    _bits_to_f32,
+    _block_m,
+    _split,
+    _store_tile,
+    _tile,
+    _x_operand,
+    counter_buffer,
+    default_config,
+)
+from specpilot.kernels.w12_decode import (
+    _bits_to_operand,
+    _decode_ops,
+    _decode_prmt,
+    decode_tile_bits_ops,
+    decode_tiles_bf16_ptx,
+)
 from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, GROUP, W12Tensor, decode
 
 ESC_CHUNK = 32
 """Escape records handled per inner step (the K size of the correction ``tl.dot``)."""
-MAX_SPLIT_K = 16
-"""Upper bound on K splits (the last split sums at most this many partials, unrolled)."""
-MAX_COUNTER_TILES_M = 4
-"""Split-K is used only for M <= 64 (= 4 tiles of 16 rows at most): sizes the counter buffer."""
-
-
-@triton.jit
-def _decode_ops(sm, cb, base, HIGH: tl.constexpr):
-    """Plain Triton decode: ``sm`` uint8, ``cb`` uint8 code bytes (the low or the ``HIGH`` nibble
-    is this half's code), ``base`` int32 ``[BN, 1]`` -> bf16 bit patterns in int32 (an escape,
-    code 0, gives the placeholder exponent ``base``)."""
-    smi = sm.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended
-    cbi = cb.to(tl.int32)
-    code = (cbi >> 4) if HIGH else (cbi & 0xF)
-    return (smi & 0x807F) | ((code + base) << 7)
-
-
-_PRMT_ASM = """{{
-    .reg .b32 c, s01, s23, c01, c23, m;
-    {code}
-    prmt.b32 s01, $2, 0, 0x9180;
-    prmt.b32 s23, $2, 0, 0xB3A2;
-    prmt.b32 c01, c, 0, 0x4140;
-    prmt.b32 c23, c, 0, 0x4342;
-    shl.b32 c01, c01, 3;
-    shl.b32 c23, c23, 3;
-    mov.b32 m, 0x807F807F;
-    lop3.b32 s01, s01, m, c01, 0xE2;
-    lop3.b32 s23, s23, m, c23, 0xE2;
-    add.u32 $0, s01, $4;
-    add.u32 $1, s23, $4;
-    }}"""
-_PRMT_HIGH = tl.constexpr(_PRMT_ASM.format(code="mov.b32 c, $3;"))
-"""High nibbles: already in the high half of their byte."""
-_PRMT_LOW = tl.constexpr(_PRMT_ASM.format(code="shl.b32 c, $3, 4;"))
-"""Low nibbles: moved to the high half of their byte (what lands below is masked off)."""
-
-
-@triton.jit
-def _decode_prmt(sm, cb, base2, HIGH: tl.constexpr):
-    """The same decode as ``_decode_ops``, four weights per instance, as bf16: one 32-bit word of
-    ``sm`` and one of code bytes become two words of bf16 pairs with two ``prmt`` byte permutes
-    (sign-replicating the sign/mantissa bytes into 16-bit lanes), two more for the code bytes, one
-    shift per pair to move the nibble under the exponent field, one ``lop3`` to merge
-    ``(s & 0x807F) | (code << 7)`` and one add of ``base`` in both lanes (``base2`` =
-    ``base << 7 | base << 23``; no carry crosses a lane since ``base + code <= 255``)."""
-    asm: tl.constexpr = _PRMT_HIGH if HIGH else _PRMT_LOW
-    return tl.inline_asm_elementwise(
-        asm, "=r,=r,r,r,r,r,r,r", [sm, cb, base2], dtype=tl.bfloat16, is_pure=True, pack=4
-    )
-
-
-@triton.jit
-def _bits_to_f32(bits):
-    """bf16 bit patterns (int32, low 16 bits) -> the same values in fp32, exactly."""
-    return (bits << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_to_f32(v):
-    """bf16 -> fp32 by moving bits (exact; also right in the interpreter, whose casts are not)."""
-    return _bits_to_f32(v.to(tl.int16, bitcast=True).to(tl.int32))
-
-
-@triton.jit
-def _bits_to_operand(bits, INTERPRET: tl.constexpr):
-    """Bit patterns -> a ``tl.dot`` operand: bf16 on the GPU; exact fp32 in the interpreter,
-    whose ``dot`` multiplies the raw uint16 storage of bf16."""
-    if INTERPRET:
-        return _bits_to_f32(bits)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _x_operand(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return _bf16_to_f32(x)
-    return x
-
-
-@triton.jit
-def _f32_to_bf16(v, INTERPRET: tl.constexpr):
-    """Round to nearest even (the interpreter's own cast rounds half up and drops carries)."""
-    if INTERPRET:
-        b = v.to(tl.int32, bitcast=True)
-        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        is_nan = v != v
-        r = tl.where(is_nan, (b >> 16) | 0x40, r)  # keep NaN a (quiet) NaN
-        return r.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return v.to(tl.bfloat16)
-
-
-@triton.jit
-def _out_cast(v, y_ptr, INTERPRET: tl.constexpr):
-    """An fp32 tile in the output's dtype: kept fp32 for an fp32 ``y``, else rounded to bf16."""
-    if y_ptr.dtype.element_ty == tl.float32:
-        return v
-    return _f32_to_bf16(v, INTERPRET)
-
-
-@triton.jit
-def _tile(M, N, K, k_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's output tile (grid: N tiles, M tiles, K splits): program ids, row and column
-    offsets ``[BM]``, ``[BN]`` with their bounds masks, and its K range ``[k_lo, k_hi)``."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, K)
-    return pid_m, pid_n, pid_k, offs_m, offs_n, offs_m < M, offs_n < N, k_lo, k_hi
-
-
-@triton.jit
-def _store_tile(
-    acc, scale_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
-    stride_bm, M, N, pid_m, pid_n, pid_k, split,
-    HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, MAX_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """Write one ``[BM, BN]`` fp32 tile as bf16 (fp32 for an fp32 ``y``) (× per-column scale,
-    + bias). With split-K it is stored as a partial; the last split to arrive sums every partial
-    in split order (so the result is deterministic), finishes the tile and re-arms the tile's
-    counter. ``stride_bm``: the bias's row stride, 0 for a ``[N]`` bias; an ``[M, N]`` addend (a
-    residual, added in fp32 before the one rounding, as ``torch.addmm`` does) has its row stride
-    there."""
-    out_mask = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    b_ptrs = bias_ptr + offs_m[:, None] * stride_bm + offs_n[None, :]
-    if split == 1:
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
-        tl.store(y_ptrs, _out_cast(acc, y_ptr, INTERPRET), mask=out_mask)
-    else:
-        tile_off = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptr + pid_k * M * N + tile_off, acc, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == split - 1:  # the last split of this tile: reduce in a fixed order
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for s in tl.static_range(MAX_SPLIT):
-                if s < split:
-                    total += tl.load(
-                        part_ptr + s * M * N + tile_off,
-                        mask=out_mask,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-            if HAS_SCALE:
-                total = total * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-            if HAS_BIAS:
-                total += _bf16_to_f32(tl.load(b_ptrs, mask=out_mask, other=0.0))
-            tl.store(y_ptrs, _out_cast(total, y_ptr, INTERPRET), mask=out_mask)
-            tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -484,82 +345,6 @@ def _linear_kernel(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
         0, M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
     )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class GemmConfig:
-    """Tiling of one launch (the same for the bf16 and the W12 kernel)."""
-
-    block_n: int = 64
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 3
-    split_k: int = 0
-    """Number of K splits; 0 picks enough to give every SM about two programs."""
-    use_dot: bool = True
-    """False: one-row FMA GEMV (only used when M == 1)."""
-    w_as_a: bool = False
-    """W12 only: the decoded weight tile is the dot's A operand (``acc^T += w @ x^T``), which lets
-    Hopper's ``wgmma`` read it from registers; False: the B operand (``acc += x @ w^T``)."""
-
-    def __post_init__(self) -> None:
-        check_tiling(self.block_n, self.block_k, 32)
-
-
-def check_tiling(block_n: int, block_k: int, min_k: int) -> None:
-    """Tiles cover whole 16-row escape blocks and a power-of-two number of columns."""
-    if block_n % ESC_ROWS or block_n < ESC_ROWS:
-        raise ValueError(f"block_n must be a multiple of {ESC_ROWS}, got {block_n}")
-    if block_k < min_k or block_k & (block_k - 1):
-        raise ValueError(f"block_k must be a power of two >= {min_k}, got {block_k}")
-
-
-def default_config(m: int, n: int, k: int) -> GemmConfig:
-    """A reasonable tiling before any tuning (the GPU script measures alternatives)."""
-    if m == 1:
-        return GemmConfig(block_n=32, block_k=256, num_warps=4, use_dot=False)
-    if m <= 16:
-        return GemmConfig(block_n=64, block_k=256, num_warps=4)
-    return GemmConfig(block_n=64, block_k=128, num_warps=4)
-
-
-def _block_m(m: int, cfg: GemmConfig) -> int:
-    if not cfg.use_dot:
-        return 1
-    return min(64, max(16, triton.next_power_of_2(m)))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
-
-
-def _split(m: int, n: int, k: int, cfg: GemmConfig, device: torch.device) -> tuple[int, int]:
-    """``(split, k_split)`` with ``k_split`` a multiple of ``block_k``."""
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, _block_m(m, cfg))
-    if m > 16 * MAX_COUNTER_TILES_M:
-        want = 1
-    elif cfg.split_k:
-        want = cfg.split_k
-    else:
-        want = max(1, (2 * _num_sms(device)) // tiles)
-    return k_splits(k, cfg.block_k, want)
-
-
-def k_splits(k: int, block_k: int, want: int) -> tuple[int, int]:
-    """``(split, k_split)``: about ``want`` K ranges (at most ``MAX_SPLIT_K``, at least one
-    ``block_k`` each), ``k_split`` a multiple of ``block_k``."""
-    want = max(1, min(want, triton.cdiv(k, block_k), MAX_SPLIT_K))
-    k_split = triton.cdiv(triton.cdiv(k, want), block_k) * block_k
-    return triton.cdiv(k, k_split), k_split
-
-
-def counter_buffer(n: int, device: torch.device) -> Tensor:  # [tiles] int32 zeros
-    """Split-K arrival counters for one weight (any config with block_n >= 16, M <= 64)."""
-    return torch.zeros(
-        triton.cdiv(n, ESC_ROWS) * MAX_COUNTER_TILES_M, dtype=torch.int32, device=device
-    )
 
 
 def _launch(

@@ -36,9 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.gemv_prologue import _inv_rms, _prologue, _row_step, _split_words
-from specpilot.kernels.w12_decode import decode_words_f32_ops, decode_words_f32_ptx
-from specpilot.kernels.w12_gemm import (
+from specpilot.kernels.gemm_common import (
     MAX_SPLIT_K,
     _bf16_to_f32,
     _num_sms,
@@ -46,6 +44,8 @@ from specpilot.kernels.w12_gemm import (
     check_tiling,
     k_splits,
 )
+from specpilot.kernels.gemv_prologue import _inv_rms, _prologue, _row_step, _split_words
+from specpilot.kernels.w12_decode import decode_words_f32_ops, decode_words_f32_ptx
 from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, W12Tensor
 
 _ESC_ROWS = tl.constexpr(ESC_ROWS)
@@ -398,7 +398,7 @@ def _launch(
 def w12_gemv(
     x: Tensor,  # [M, K] bf16, M <= 4
     w: W12Tensor,  # [N, K], layout v3
-    counters: Tensor,  # from w12_gemm.counter_buffer(N)
+    counters: Tensor,  # from gemm_common.counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     cfg: GemvConfig | None = None,
     ptx: bool = True,

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from specpilot.kernels.w12_gemm import GemmConfig, w12_matmul
+from specpilot.kernels.gemm_common import GemmConfig
+from specpilot.kernels.w12_gemm import w12_matmul
 from specpilot.kernels.w12_gemv import MAX_ROWS, GemvConfig, w12_gemv
 from specpilot.mechanisms.w12_format import W12Tensor
 
@@ -103,7 +104,7 @@ def choice_for(m: int, table: tuple[tuple[int, KernelChoice], ...] = CHOSEN) -> 
 def w12_linear(
     x: Tensor,  # [M, K] bf16
     w: W12Tensor,  # [N, K], layout v3
-    counters: Tensor,  # from w12_gemm.counter_buffer(N)
+    counters: Tensor,  # from gemm_common.counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     ptx: bool = True,
 ) -> Tensor:  # [M, N] bf16

@@ -80,7 +80,7 @@ class FusedLinears:
     def __init__(
         self, layer: DecoderLayer, names: tuple[str, ...], max_m: int, gemv: GemvConfig, eps: float
     ) -> None:
-        from specpilot.kernels.w12_gemm import counter_buffer
+        from specpilot.kernels.gemm_common import counter_buffer
 
         self.weights: dict[str, Tensor] = {}  # name -> [N, K] bf16, the layer's own parameter
         self.counters: dict[str, Tensor] = {}  # name -> [tiles] int32 split-K arrival counters

@@ -65,7 +65,7 @@ class W12Linear:
     """``fn(x [.., K], bias [N] | None) -> [.., N]``: F.linear over a W12 copy of ``weight``."""
 
     def __init__(self, weight: Tensor, max_m: int, prmt: bool) -> None:
-        from specpilot.kernels.w12_gemm import counter_buffer
+        from specpilot.kernels.gemm_common import counter_buffer
 
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise SpecPilotError("W12 applies to 2-D bf16 weights only; load the model in bf16.")
