@@ -294,6 +294,9 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert saved["e2e"]["tokens_equal"] and set(saved["e2e"]["arms"]) == {
         "ar", "ar+head", "chain", "chain+head",
     }  # fmt: skip
+    idle = saved["e2e"]["idle_slots"]
+    assert set(idle) == {"chain", "packed"} and all(a["tokens_equal"] for a in idle.values())
+    assert 0 <= saved["e2e"]["spared_rate"] <= 1 and 0 <= saved["e2e"]["abstain_rate"] <= 1
 
 
 # ---------------------------------------------------------------------- interpreter (subprocess)
