@@ -120,32 +120,59 @@ def _run(engine: Engine, prompts: list[list[int]], news: list[int], slots: int) 
     return [done[str(i)] for i in range(len(prompts))]
 
 
-PLANS = {
-    "ar": lambda: (None, None),
-    "chain": lambda: (NgramDrafter(k=3), ChainPlan()),
-    "packed": lambda: (NgramDrafter(k=3), PackedPlan(bucket=4)),
-    "tree": lambda: (NgramDrafter(k=3), TreePlan(shape=TreeShape.uniform(3, 2, 5, 2))),
+PLANS = {  # drafter, verify plan, AR steps per read-back
+    "ar-window": lambda: (None, None, 4),
+    "chain": lambda: (NgramDrafter(k=3), ChainPlan(), None),
+    "packed": lambda: (NgramDrafter(k=3), PackedPlan(bucket=4), None),
+    "tree": lambda: (NgramDrafter(k=3), TreePlan(shape=TreeShape.uniform(3, 2, 5, 2)), None),
 }
+
+
+def _check_idle_rows(plan: str, device: str = "cpu", fused: bool = False) -> None:
+    """Four slots, three requests (row 0's ends first, so packed padding then copies an idle row):
+    tokens equal AR, no verify redone, and the poison hit only rows outside the mask. On CUDA
+    from CUDA graphs."""
+    target = make_peaked(
+        build_target("tiny-llama", device, torch.float32, seed=0, max_positions=96)
+    )
+    prompts = [[10 + i for i in range(8)], [20, 21, 22, 20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]
+    news = [4, 14, 10]  # no live row ever feeds token 0: the peaked continuation counts up
+    want = _run(Engine(target, graphs=False), prompts, news, 1)
+    head = PoisonTokenZero(GraphArgmaxHead(target, candidates=2, use_triton=fused))
+    target.argmax_head = head
+    drafter, verify_plan, sync_every = PLANS[plan]()
+    engine = Engine(target, drafter, plan=verify_plan, sync_every=sync_every)
+    assert _run(engine, prompts, news, 4) == want
+    live_hits, idle_hits = head.hits.tolist()
+    assert engine.abstains == 0 and live_hits == 0 and idle_hits > 0
+    assert head.inner.stats()["spared_calls"] > 0 and head.inner.fused == fused
+    assert engine.runner.use_graphs == (device == "cuda")
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_idle_rows_and_padding_never_abstain(plan: str) -> None:
-    """Four slots, three requests (row 0's ends first, so packed padding then copies an idle row):
-    tokens equal AR, no verify redone, and the poison hit only rows outside the mask."""
-    target = make_peaked(build_target("tiny-llama", "cpu", torch.float32, seed=0, max_positions=96))
-    prompts = [[10 + i for i in range(8)], [20, 21, 22, 20, 21, 22, 23], [40, 41, 42, 43, 44, 45]]
-    news = [4, 14, 10]  # no live row ever feeds token 0: the peaked continuation counts up
-    want = _run(Engine(target, graphs=False), prompts, news, 1)
-    head = PoisonTokenZero(GraphArgmaxHead(target, candidates=2, use_triton=False))
-    target.argmax_head = head
-    drafter, verify_plan = PLANS[plan]()
-    engine = Engine(target, drafter, plan=verify_plan, graphs=False)
-    assert _run(engine, prompts, news, 4) == want
-    live_hits, idle_hits = head.hits.tolist()
-    assert engine.abstains == 0 and live_hits == 0 and idle_hits > 0
-    assert head.inner.stats()["spared_calls"] > 0
+    _check_idle_rows(plan)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_cuda_graphs_idle_rows_never_abstain(plan: str) -> None:
+    """The fused head from CUDA graphs (the live-row mask built inside the captured verify)."""
+    _check_idle_rows(plan, "cuda", fused=True)
+
+
+@pytest.mark.slow
+def test_fused_head_idle_rows_in_interpreter() -> None:
+    """The fused head in the engine (AR window, packed, tree) under ``TRITON_INTERPRET=1``."""
+    assert "fused idle ok" in run_interpreted([str(Path(__file__).resolve()), "engine"], 600)
+
+
+def _group_engine() -> None:
+    for plan in ("ar-window", "packed", "tree"):
+        _check_idle_rows(plan, fused=True)
+    print("fused idle ok")
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"fused": _group_fused}[sys.argv[1]]()
+    {"fused": _group_fused, "engine": _group_engine}[sys.argv[1]]()
