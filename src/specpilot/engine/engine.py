@@ -369,15 +369,7 @@ class Engine:
         hidden_out: Tensor | None,  # [n_sel, B, >= W, hidden] for the drafter, or None
     ) -> None:
         """The target over a verify block: argmax (and the drafter's hidden states) in block order.
-
-        Only the layout's live rows (``Layout.live_rows``: rows of active sequences, padding left
-        out) may make a verify head abstain: the ids of the others are never committed. Bucket
-        padding never reaches ``argmax_out`` (``PackedLayout.to_block`` drops it). An idle or
-        frozen row's ``a_j`` does, but the chain accept takes ``n = accepted_len * active = 0``
-        and the tree accept ``n = 0`` with the identity path, and ``commit_block`` then moves
-        neither ``committed_len`` nor ``pending`` of a row with ``active = 0``: the ids land only
-        in ``tokens`` past its committed length (scratch) and ``verify_argmax``, which the host
-        reads back for active rows only (``engine/cycles.py``). Any id is in ``[0, V)``."""
+        Only the layout's live rows may make a verify head abstain (``engine/abstain.py``)."""
         fwd = self.fwd
         layers = () if hidden_out is None or self.drafter is None else self.drafter.hidden_layers
         tokens = block.reshape(-1)
