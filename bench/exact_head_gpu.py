@@ -223,7 +223,9 @@ class Bench(BenchScript):
             return Sample(len(res.tokens) - int(first[1]), end - first[0], res.tokens)
 
         arms = {label: (lambda label=label: run(label)) for label in engines}
-        deadline = time.perf_counter() + max(self.left() - 5, 10)
+        deadline = time.perf_counter() + max(
+            self.left() - (5 if self.tiny else 35), 10
+        )  # idle_slots
         m = interleave(arms, rounds=2 if self.tiny else 4, warmup=1, deadline=deadline)
         stats = head.stats()
         abstain = stats["abstained_calls"] / max(stats["calls"], 1)
