@@ -17,8 +17,12 @@ is it beside the stock LM head inside CUDA graphs, and what does it do to AR and
 4. ``e2e`` — the llama3-8b shape, random bf16 weights made peaked (``synthetic.make_peaked``), on
    CUDA graphs: AR (16 steps per read-back) and a chain verify (n-gram drafter over a prompt that
    repeats the target's own continuation), each without and with the head; interleaved rounds;
-   decode tok/s after the first commit, tokens must equal, the head's abstain rate, and the
-   predicted tok/s (the measured stock rate with the predicted saving per verify).
+   decode tok/s after the first commit, tokens must equal, the head's abstain rate (abstained
+   calls / calls) and spared rate (calls that did not abstain only because every row that
+   failed was an idle row or padding, outside the verify's live rows), and the predicted tok/s
+   (the measured stock rate with the predicted saving per verify). Then, budget permitting,
+   ``idle_slots``: chain and packed verify with the head over four slots and two requests (idle
+   rows; packed bucket padding), untimed: tokens equal AR, verifies redone, spared calls.
 JSON to DIR/exact_head_gpu.json (rewritten after each section); a short table is printed last.
 """
 
@@ -37,7 +41,8 @@ from specpilot.bench.gpu_ceilings import copy_bandwidth
 from specpilot.bench.protocol import Sample, interleave
 from specpilot.bench.script import BenchScript
 from specpilot.drafters import NgramDrafter
-from specpilot.engine import Engine, generate
+from specpilot.engine import Engine, Request, Scheduler, generate
+from specpilot.engine.plans import PackedPlan
 from specpilot.mechanisms.exact_argmax_cost import ASSUMPTIONS, predict
 from specpilot.mechanisms.exact_argmax_graph import GraphArgmaxHead
 from specpilot.models.transformer import Transformer
@@ -218,7 +223,9 @@ class Bench(BenchScript):
             return Sample(len(res.tokens) - int(first[1]), end - first[0], res.tokens)
 
         arms = {label: (lambda label=label: run(label)) for label in engines}
-        deadline = time.perf_counter() + max(self.left() - 5, 10)
+        deadline = time.perf_counter() + max(
+            self.left() - (5 if self.tiny else 35), 10
+        )  # idle_slots
         m = interleave(arms, rounds=2 if self.tiny else 4, warmup=1, deadline=deadline)
         stats = head.stats()
         abstain = stats["abstained_calls"] / max(stats["calls"], 1)
@@ -227,6 +234,7 @@ class Bench(BenchScript):
             "tokens_equal": m.last("ar").payload == m.last("ar+head").payload
             == m.last("chain").payload == m.last("chain+head").payload,
             "head_stats": stats, "abstain_rate": abstain,
+            "spared_rate": stats["spared_calls"] / max(stats["calls"], 1),
             "engine_abstains": {lab: e.abstains for lab, (e, _) in engines.items()},
             "arms": {},
         }  # fmt: skip
@@ -245,7 +253,41 @@ class Bench(BenchScript):
             saved = cycles.get(base, 0) * p.saved_s
             out["arms"][base + "+head"]["predicted_tok_s"] = s.tokens / max(s.seconds - saved, 1e-9)
             out["arms"][base + "+head"]["ratio"] = m.ratio(base + "+head", base).to_dict()
+        if self.left() > (0 if self.tiny else 30):
+            out["idle_slots"] = self.idle_slots(model, head, prompt, new, k, m.last("ar").payload)
         return out
+
+    def idle_slots(
+        self, model: Transformer, head: GraphArgmaxHead, prompt: list[int], new: int, k: int,
+        want: list[int],
+    ) -> dict[str, Any]:  # fmt: skip
+        """Chain and packed verify with the head over 4 slots and 2 requests (the same prompt,
+        ``new`` and ``new // 2`` tokens): idle rows all along, packed padding; untimed."""
+        res: dict[str, Any] = {}
+        for label, plan in (("chain", None), ("packed", PackedPlan(bucket=4))):
+            engine = Engine(model, NgramDrafter(k=k), plan=plan, graphs=self.cuda)
+            before = head.stats()
+            model.argmax_head = head
+            try:
+                sched = Scheduler(engine, slots=4, max_context=len(prompt) + new)
+                for i, n in enumerate((new, max(new // 2, 1))):
+                    sched.submit(Request(str(i), tuple(prompt), n))
+                done: dict[str, list[int]] = {}
+                while sched.has_work:
+                    for r in sched.step().finished:
+                        done[r.id] = r.tokens
+            finally:
+                model.argmax_head = None
+            after = head.stats()
+            delta = {key: after[key] - before[key] for key in after}
+            res[label] = {
+                "tokens_equal": done["0"] == want and done["1"] == want[: len(done["1"])]
+                and len(done["1"]) == max(new // 2, 1),
+                "engine_abstains": engine.abstains, "head_stats": delta,
+                "abstain_rate": delta["abstained_calls"] / max(delta["calls"], 1),
+                "spared_rate": delta["spared_calls"] / max(delta["calls"], 1),
+            }  # fmt: skip
+        return res
 
 
 def table(out: dict[str, Any]) -> str:
@@ -276,10 +318,15 @@ def table(out: dict[str, Any]) -> str:
     e2e = sec.get("e2e", {})
     if isinstance(e2e, dict) and "arms" in e2e:
         lines.append(f"e2e {e2e['shape']}: tokens equal {e2e['tokens_equal']}, "
-                     f"abstain rate {e2e['abstain_rate']:.3f}")  # fmt: skip
+                     f"abstain rate {e2e['abstain_rate']:.3f}, "
+                     f"spared rate {e2e['spared_rate']:.3f}")  # fmt: skip
         for label, a in e2e["arms"].items():
             pred = f" (predicted {a['predicted_tok_s']:.1f})" if "predicted_tok_s" in a else ""
             lines.append(f"  {label:12s} {a['tok_s']:8.1f} tok/s{pred}")
+        for label, a in e2e.get("idle_slots", {}).items():
+            lines.append(f"  idle slots {label:7s} tokens equal {a['tokens_equal']}, "
+                         f"redone {a['engine_abstains']}, abstain rate {a['abstain_rate']:.3f}, "
+                         f"spared rate {a['spared_rate']:.3f}")  # fmt: skip
     for name, v in sec.items():
         if isinstance(v, dict) and "error" in v:
             lines.append(f"{name}: ERROR {v['error']}")

@@ -120,7 +120,7 @@ def test_the_certificate_never_syncs_with_the_host() -> None:
     with torch.inference_mode(), no_host_sync("head"):
         ids = head.abstaining(x)
     assert int(head.abstain_flag[0]) == 0 and torch.equal(ids, stock_ids(model, x))
-    assert head.stats() == {"calls": 1, "abstained_calls": 0, "rows": 4}
+    assert head.stats() == {"calls": 1, "abstained_calls": 0, "rows": 4, "spared_calls": 0}
 
 
 # ---------------------------------------------------------------------- the engine
@@ -136,8 +136,8 @@ class ForcedAbstain:
         self.hits = torch.zeros(1, dtype=torch.int64, device=dev)
         self.abstain_flag = inner.abstain_flag
 
-    def abstaining(self, x: torch.Tensor) -> torch.Tensor:
-        ids = self.inner.abstaining(x)
+    def abstaining(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        ids = self.inner.abstaining(x, valid)
         self.tick += 1
         hit = (self.calls == self.tick).any().to(torch.int64).view(1)  # [1]
         self.abstain_flag.bitwise_or_(hit)
@@ -294,6 +294,9 @@ def test_the_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert saved["e2e"]["tokens_equal"] and set(saved["e2e"]["arms"]) == {
         "ar", "ar+head", "chain", "chain+head",
     }  # fmt: skip
+    idle = saved["e2e"]["idle_slots"]
+    assert set(idle) == {"chain", "packed"} and all(a["tokens_equal"] for a in idle.values())
+    assert 0 <= saved["e2e"]["spared_rate"] <= 1 and 0 <= saved["e2e"]["abstain_rate"] <= 1
 
 
 # ---------------------------------------------------------------------- interpreter (subprocess)

@@ -8,6 +8,17 @@ lengths: steps after the abstaining one were halted too), commits what was commi
 the verify and its accept once with the stock head: no plug, hence no flag, in graphs of their own
 (``Runner.variant``). Then it reads that back and commits as usual. Only the abstaining cycle
 costs a second verify and read-back.
+
+**Live rows.** Only rows whose ids an accept may commit can make the verify abstain: the verify
+(``Engine.forward_block``) passes its layout's live rows (``Layout.live_rows``: every row of an
+active sequence; packed and tree layouts leave bucket padding out) as the head's ``valid`` mask,
+built on the device inside the captured step. The ids of the other rows may be anything in
+``[0, V)``, because none is committed: bucket padding never reaches the block
+(``PackedLayout.to_block`` drops it); an idle or frozen row's ids do, but the chain accept takes
+``n = accepted_len * active = 0`` and the tree accept ``n = 0`` with the identity path, and
+``commit_block`` moves neither ``committed_len`` nor ``pending`` of a row with ``active = 0``:
+its ids land only in ``tokens`` past its committed length (scratch) and in ``verify_argmax``,
+which the host reads back for active rows only (``engine/cycles.py``).
 """
 
 from __future__ import annotations

@@ -368,7 +368,8 @@ class Engine:
         argmax_out: Tensor,  # [B, >= W] int64: a_j of each block row
         hidden_out: Tensor | None,  # [n_sel, B, >= W, hidden] for the drafter, or None
     ) -> None:
-        """The target over a verify block: argmax (and the drafter's hidden states) in block order."""
+        """The target over a verify block: argmax (and the drafter's hidden states) in block order.
+        Only the layout's live rows may make a verify head abstain (``engine/abstain.py``)."""
         fwd = self.fwd
         layers = () if hidden_out is None or self.drafter is None else self.drafter.hidden_layers
         tokens = block.reshape(-1)
@@ -376,7 +377,8 @@ class Engine:
             tokens = tokens.index_select(0, lay.gather_index)
         assert self.cache is not None
         x = fwd.run_layers(fwd.embed(tokens), self.cache, lay, layers, hidden_out)
-        lay.to_block(fwd.argmax(x, may_abstain=True)[:, None], argmax_out[:, :, None])
+        live = lay.live_rows(self.state.active)  # [M]: idle rows and padding may not abstain
+        lay.to_block(fwd.argmax(x, may_abstain=True, valid=live)[:, None], argmax_out[:, :, None])
 
     def packed_layout(
         self,

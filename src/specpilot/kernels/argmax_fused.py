@@ -19,7 +19,8 @@ head saves. These kernels compute the same quantities in four launches around th
 * ``refine_logits`` (``kernels/argmax_certify.py``) — float64 logits of the C chosen blocks.
 * :func:`finish_fused` — one program for the call: per row the step-2 check on the (C+1)-th
   upper bound, the refine intervals (``exact_argmax_cert.refine_intervals``) and the pick
-  (``ids [R]``), then the call's abstain flag and the head's counters.
+  (``ids [R]``), then the call's abstain flag (rows outside the call's ``valid`` mask do not
+  count) and the head's counters.
 
 All run under ``TRITON_INTERPRET=1`` at small shapes (tests compare them with the torch form).
 """
@@ -149,9 +150,10 @@ def finish_kernel(
     omega_ptr,  # [V] f32
     xn_ptr,  # [R] f64
     rok_ptr,  # [R] bool: the row terms' ok
+    valid_ptr,  # [R] bool: rows the flag speaks for (read only with HAS_VALID)
     ids_ptr,  # [R] int64 out
-    flag_ptr,  # [1] int64 out: 1 when some row is not certified
-    counts_ptr,  # [3] int64 in/out: calls, abstained calls, rows
+    flag_ptr,  # [1] int64 out: 1 when some valid row is not certified
+    counts_ptr,  # [4] int64 in/out: calls, abstained calls, rows, spared calls
     V,
     C,
     CT,
@@ -159,6 +161,7 @@ def finish_kernel(
     R_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     N_POW: tl.constexpr,
+    HAS_VALID: tl.constexpr,
 ):
     """One program for the call: every row's pick and ok, then the call's flag and counters."""
     j = tl.arange(0, N_POW)
@@ -167,7 +170,8 @@ def finish_kernel(
     coef_norm = tl.load(k_ptr + 6)  # (1 + 2u)(1 + 2^-30)(eps + 2H·2^-53)
     coef_abs = tl.load(k_ptr + 7)  # (1 + 2u)(1 + 2^-30)·u_out
     coef_tau = tl.load(k_ptr + 8)  # (1 + 2u)(1 + 2^-30)·tau_out
-    all_ok = tl.full((), 1, tl.int32)
+    all_ok = tl.full((), 1, tl.int32)  # every row certified
+    valid_ok = tl.full((), 1, tl.int32)  # every valid row certified
     for r in range(R_ROWS):
         best = tl.load(best_ptr + r)
         top = tl.load(top_ptr + r * CT + slot, mask=jmask, other=float("-inf"))
@@ -191,11 +195,15 @@ def finish_kernel(
             ok = ok & (tl.load(top_ptr + r * CT + C) < best)
         tl.store(ids_ptr + r, tl.sum(tl.where(j == first, vv, 0), axis=0))
         all_ok = all_ok * ok.to(tl.int32)
-    flag = (1 - all_ok).to(tl.int64)
+        if HAS_VALID:
+            ok = ok | (tl.load(valid_ptr + r) == 0)
+        valid_ok = valid_ok * ok.to(tl.int32)
+    flag = (1 - valid_ok).to(tl.int64)
     tl.store(flag_ptr, flag)
     tl.store(counts_ptr, tl.load(counts_ptr) + 1)
     tl.store(counts_ptr + 1, tl.load(counts_ptr + 1) + flag)
     tl.store(counts_ptr + 2, tl.load(counts_ptr + 2) + R_ROWS)
+    tl.store(counts_ptr + 3, tl.load(counts_ptr + 3) + (valid_ok - all_ok).to(tl.int64))
 
 
 K_LEN = 9
@@ -267,17 +275,21 @@ def finish_fused(
     consts: Tensor,  # from fused_constants
     candidates: int,
     flag: Tensor,  # [1] int64 out: the abstain flag
-    counts: Tensor,  # [3] int64: calls, abstained calls, rows (added to)
-) -> Tensor:  # ids [R] int64 (meaningful when the flag is 0)
+    counts: Tensor,  # [4] int64: calls, abstained calls, rows, spared calls (added to)
+    valid: Tensor | None = None,  # [R] bool: rows the flag speaks for (None: all)
+) -> Tensor:  # ids [R] int64 (meaningful for valid rows when the flag is 0; always in [0, V))
     """The certificate's last step, one program for the call (module docstring)."""
     r, n = s_hat.shape
     ids = torch.empty(r, dtype=torch.int64, device=s_hat.device)
     if not (top_values.is_contiguous() and top_blocks.is_contiguous()):
         raise ValueError("finish: want contiguous top-k values and blocks")
+    if valid is not None and (valid.shape != (r,) or valid.dtype != torch.bool):
+        raise ValueError(f"finish: want a [{r}] bool valid mask")
     finish_kernel[(1,)](
-        s_hat, top_values, top_blocks, best_lower, head.omega, terms.x_norm, terms.ok, ids,
-        flag, counts, head.vocab, candidates, top_values.shape[1], consts,
-        R_ROWS=r, BLOCK=head.block, N_POW=1 << (n - 1).bit_length(), num_warps=4,
+        s_hat, top_values, top_blocks, best_lower, head.omega, terms.x_norm, terms.ok,
+        terms.ok if valid is None else valid.contiguous(), ids, flag, counts, head.vocab,
+        candidates, top_values.shape[1], consts, R_ROWS=r, BLOCK=head.block,
+        N_POW=1 << (n - 1).bit_length(), HAS_VALID=valid is not None, num_warps=4,
     )  # fmt: skip
     return ids
 

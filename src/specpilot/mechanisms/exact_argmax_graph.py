@@ -11,8 +11,13 @@ It certifies by the proof of ``mechanisms/exact_argmax.py`` (steps 1–5) with f
 3. **Refine** — ``x · w_v`` in float64 for those ``C·block`` vocabulary rows per row
    (``refine_logits``), the candidates' intervals of step 5, and the pick: certified when its
    lower end is above every other candidate's upper end.
-4. **Abstain** — ``abstain_flag [1]`` (int64, on the device) is 1 when any row of the call is not
-   certified; the returned ids are then meaningless. Nothing here syncs with the host.
+4. **Abstain** — ``abstain_flag [1]`` (int64, on the device) is 1 when any *valid* row of the
+   call is not certified (``valid [B, R]`` bool, default every row); the returned ids are then
+   meaningless. The ids of rows outside ``valid`` are meaningless whatever the flag (but always
+   in ``[0, V)``): the engine's verify passes its layout's live rows
+   (``Layout.live_rows``), so that idle batch rows and bucket padding, whose ids no accept
+   commits (``Engine.forward_block``), cannot make the verify abstain. Nothing here syncs with
+   the host.
 
 :meth:`GraphArgmaxHead.abstaining` is that computation, for callers that honour the flag: the
 engine's verify forward (``Forward.argmax(..., may_abstain=True)``), whose accept commits nothing
@@ -58,8 +63,10 @@ def certify_fixed(
     candidates: int,
     counters: Tensor | None,  # split-K buffer of the INT8 GEMM; None: the torch bound pass
     triton_refine: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """``(ids [N], ok [] bool)``: the stock argmax of every row when ``ok``; fixed shapes."""
+    valid: Tensor | None = None,  # [N] bool: the rows ``ok`` speaks for (None: all)
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(ids [N], ok [] bool, spared [] bool)``: ``ids`` is the stock argmax of every valid row
+    when ``ok``; ``spared``: ok only because a row that failed is not valid; fixed shapes."""
     if counters is not None:
 
         def bounds_fn(h: CheapHead, t: RowTerms, kc: float) -> tuple[Tensor, Tensor]:
@@ -77,16 +84,21 @@ def certify_fixed(
     if nb > c:  # every block left out is below M_r: no candidate is missed (step 2)
         ok = ok & (top.values[:, c] < bd.best_lower)
     ids = (blocks[:, :, None] * bsz + torch.arange(bsz, device=x.device)).flatten(1)  # [N, C·b]
-    valid = ids < head.vocab
+    in_vocab = ids < head.vocab
     ids = ids.clamp(max=head.vocab - 1)
     refine = refine_logits if triton_refine else refine_logits_ref
     s_hat = refine(x, lm_head, blocks, bsz)  # [N, C·b] float64
     cand_blk = top.values[:, :c] >= bd.best_lower[:, None]  # [N, C]
-    cand = cand_blk[:, :, None].expand(-1, -1, bsz).flatten(1) & valid
+    cand = cand_blk[:, :, None].expand(-1, -1, bsz).flatten(1) & in_vocab
     omega = head.omega[ids].double()  # [N, C·b]
     lo, hi = refine_intervals(s_hat, omega, bd.terms.x_norm, cand, stock, head.hidden)
     pick, certified = certified_pick(lo, hi)
-    return ids.gather(1, pick[:, None]).squeeze(1), (ok & certified).all()
+    row_ok = ok & certified  # [N]
+    ok_all = row_ok.all()
+    if valid is None:
+        return ids.gather(1, pick[:, None]).squeeze(1), ok_all, torch.zeros_like(ok_all)
+    ok_valid = (row_ok | ~valid).all()
+    return ids.gather(1, pick[:, None]).squeeze(1), ok_valid, ok_valid & ~ok_all
 
 
 def certify_fused(
@@ -97,8 +109,9 @@ def certify_fused(
     candidates: int,
     counters: Tensor,  # split-K buffer of the INT8 GEMM
     consts: Tensor,  # kernels/argmax_fused.fused_constants of this head and stock rounding
-    flag: Tensor,  # [1] int64 out: 1 when some row is not certified
-    counts: Tensor,  # [3] int64: calls, abstained calls, rows (added to)
+    flag: Tensor,  # [1] int64 out: 1 when some valid row is not certified
+    counts: Tensor,  # [4] int64: calls, abstained calls, rows, spared calls (added to)
+    valid: Tensor | None = None,  # [N] bool: the rows the flag speaks for (None: all)
 ) -> Tensor:
     """:func:`certify_fixed` in few launches (``kernels/argmax_fused.py``): row terms, the INT8
     GEMM, the bound epilogue, ``amax`` and ``topk``, the refine, the finish (which writes the
@@ -114,7 +127,9 @@ def certify_fused(
     top = upper.topk(min(c + 1, nb), dim=1)  # sorted, [N, C(+1)]
     s_hat = refine_logits(x, lm_head, top.indices[:, :c], head.block)  # [N, C·b] float64
     best = lower.amax(dim=1)  # [N] M_r
-    return finish_fused(s_hat, top.values, top.indices, best, head, terms, consts, c, flag, counts)
+    return finish_fused(
+        s_hat, top.values, top.indices, best, head, terms, consts, c, flag, counts, valid
+    )
 
 
 class GraphArgmaxHead:
@@ -159,30 +174,40 @@ class GraphArgmaxHead:
         if fused:  # built here, outside any graph capture (the settings of today)
             self.constants(stock_rounding(model.dtype, dev, self.head.hidden))
         self.abstain_flag = torch.zeros(1, dtype=torch.int64, device=dev)
-        """1 when the last call could not certify every row (its ids are then meaningless)."""
-        self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
-        """On the device: calls, abstained calls, rows (read with :meth:`stats`)."""
+        """1 when the last call could not certify every valid row (its ids are then meaningless)."""
+        self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
+        """On the device: calls, abstained calls, rows, spared calls (read with :meth:`stats`)."""
 
-    def abstaining(self, x: Tensor) -> Tensor:  # x: [B, R, H] → [B, R] int64
-        """Certified ids and ``abstain_flag``; graph-safe (fixed shapes, no host sync)."""
+    def abstaining(
+        self,
+        x: Tensor,  # [B, R, H]
+        valid: Tensor | None = None,  # [B, R] bool: rows whose ids the caller reads (None: all)
+    ) -> Tensor:  # [B, R] int64
+        """Certified ids and ``abstain_flag`` (set only for a valid row that is not certified;
+        the ids of the other rows may be anything); graph-safe (fixed shapes, no host sync)."""
         b, r, h = x.shape
         stock = stock_rounding(self.model.dtype, x.device, h)
         rows, lm = x.reshape(b * r, h), self.model.lm_head
+        if valid is not None:
+            if valid.shape != (b, r):
+                raise ValueError(f"valid: want shape {(b, r)}, got {tuple(valid.shape)}")
+            valid = valid.reshape(b * r).to(torch.bool)
         if self.fused:
             assert self.counters is not None
             consts = self.constants(stock)
             ids = certify_fused(
                 rows, self.head, lm, stock, self.candidates, self.counters, consts,
-                self.abstain_flag, self.counts,
+                self.abstain_flag, self.counts, valid,
             )  # fmt: skip
             return ids.view(b, r)
-        ids, ok = certify_fixed(
-            rows, self.head, lm, stock, self.candidates, self.counters, self.use_triton
+        ids, ok, spared = certify_fixed(
+            rows, self.head, lm, stock, self.candidates, self.counters, self.use_triton, valid
         )
         self.abstain_flag.copy_((~ok).to(torch.int64).view(1))
         self.counts[0] += 1
         self.counts[1] += self.abstain_flag[0]
         self.counts[2] += b * r
+        self.counts[3] += spared.to(torch.int64)
         return ids.view(b, r)
 
     def constants(self, stock: StockRounding) -> Tensor:
@@ -205,8 +230,10 @@ class GraphArgmaxHead:
         return ids
 
     def stats(self) -> dict[str, int]:
-        calls, abstained, rows = (int(v) for v in self.counts.tolist())
-        return {"calls": calls, "abstained_calls": abstained, "rows": rows}
+        """Calls, abstained calls, rows certified, and spared calls: calls that did not abstain
+        only because every row that failed was outside ``valid`` (idle rows, padding)."""
+        calls, abstained, rows, spared = (int(v) for v in self.counts.tolist())
+        return {"calls": calls, "abstained_calls": abstained, "rows": rows, "spared_calls": spared}
 
 
 __all__ = ["GraphArgmaxHead", "certify_fixed", "certify_fused"]

@@ -380,15 +380,25 @@ class Forward(Generic[NetT]):
             return h @ m.lm_head_in_out
         return F.linear(h, m.lm_head)
 
-    def argmax(self, x: Tensor, may_abstain: bool = False) -> Tensor:  # [M, hidden] -> [M] int64
+    def argmax(
+        self,
+        x: Tensor,  # [M, hidden]
+        may_abstain: bool = False,
+        valid: Tensor | None = None,  # [M] bool: rows whose ids the caller reads
+    ) -> Tensor:  # [M] int64
         """The greedy token after each row; the ``lm_head_argmax`` plug point when installed.
         ``may_abstain``: the caller honours the head's ``abstain_flag`` (the engine's verify), so
-        a head that has one may answer with its graph-safe ``abstaining`` call."""
+        a head that has one may answer with its graph-safe ``abstaining`` call; ``valid`` (with
+        it): only those rows may make it abstain, the ids of the others may be anything
+        (None: every row counts)."""
         head = self.model.argmax_head
         if head is not None:
+            h = self.final_hidden(x)[None]  # [1, M, hidden]
             if may_abstain and hasattr(head, "abstain_flag"):
-                head = head.abstaining  # type: ignore[attr-defined]
-            return head(self.final_hidden(x)[None])[0]
+                if valid is None:
+                    return head.abstaining(h)[0]  # type: ignore[attr-defined]
+                return head.abstaining(h, valid[None])[0]  # type: ignore[attr-defined]
+            return head(h)[0]
         return self.logits(x).argmax(dim=-1)
 
     def dense(

@@ -153,6 +153,10 @@ class DenseLayout:
         """Copy forward rows ``x [M, C]`` into ``out [B, >= T, C]`` (rows ``:T`` of each)."""
         out[:, : self.width].copy_(x.view(self.batch, self.width, -1))
 
+    def live_rows(self, active: Tensor) -> Tensor:  # active [B] int64 -> [M] bool
+        """Forward rows whose argmax an accept may commit: every row of an active sequence."""
+        return (active != 0)[:, None].expand(self.batch, self.width).reshape(-1)
+
 
 def bucket_rows(m: int, bucket: int) -> int:
     """Packed rows rounded up to a multiple of ``bucket`` (at least one bucket)."""
@@ -293,6 +297,11 @@ class PackedLayout:
         pad = x.new_zeros(b * w + 1, x.shape[-1])
         pad.index_copy_(0, self.pad_index, x)
         out[:, :w].copy_(pad[: b * w].view(b, w, -1))
+
+    def live_rows(self, active: Tensor) -> Tensor:  # active [B] int64 -> [M] bool
+        """Forward rows whose argmax an accept may commit: real rows of active sequences (bucket
+        padding is never placed in the block, :meth:`to_block`)."""
+        return (self.place[0] < self.batch) & (active.index_select(0, self.place[2]) != 0)
 
 
 Layout = DenseLayout | PackedLayout
