@@ -225,7 +225,7 @@ def _group_engine(arch: str) -> None:
 
 # ---------------------------------------------------------------- registry, install, cost
 def test_registry_entry_and_tuner_direction() -> None:
-    mech = MECHANISMS["fused_gemv"]
+    mech = MECHANISMS["fused-gemv"]
     assert mech.plug_point == "kernel_choice" and mech.component == "overhead"
     assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
     assert not mech.applies.allows("cuda", "fp32", "ngram", "single", "llama")
@@ -244,8 +244,8 @@ def test_registry_entry_and_tuner_direction() -> None:
     from specpilot.tune.space import directions_for
 
     base = EngineConfig(DeploymentSpec(target="m", drafter="ngram", dtype="bf16"), k=4)
-    assert "mechanism:fused_gemv" in {d.name for d in directions_for(base, "cuda", "llama")}
-    assert "mechanism:fused_gemv" not in {d.name for d in directions_for(base, "cpu", "llama")}
+    assert "mechanism:fused-gemv" in {d.name for d in directions_for(base, "cuda", "llama")}
+    assert "mechanism:fused-gemv" not in {d.name for d in directions_for(base, "cpu", "llama")}
 
 
 def test_install_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,7 +256,7 @@ def test_install_refuses_what_it_cannot_serve(monkeypatch: pytest.MonkeyPatch) -
         install(model)
     build = types.SimpleNamespace(target=types.SimpleNamespace(model=model), notes=[])
     with pytest.raises(SpecPilotError, match="bf16"):
-        MECHANISMS["fused_gemv"].apply(build, MECHANISMS["fused_gemv"].resolve_knobs({}))  # type: ignore[arg-type]
+        MECHANISMS["fused-gemv"].apply(build, MECHANISMS["fused-gemv"].resolve_knobs({}))  # type: ignore[arg-type]
     from specpilot.models.transformer import Transformer
 
     bf = Transformer(tiny_config(), dtype=torch.bfloat16)

@@ -198,7 +198,7 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
 
 
 MECHANISM = Mechanism(
-    name="fused_gemv",
+    name="fused-gemv",
     component="overhead",
     plug_point="kernel_choice",
     lossless=(
