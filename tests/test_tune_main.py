@@ -244,6 +244,49 @@ def test_a_round_without_a_winner_moves_on_to_untried_directions(tmp_path):
     assert any("next: steep" in m for m in logs)
 
 
+class NoisyStockExecutor:
+    """Shares rounds (so the loop confirms head to head). The stock config's first measurement
+    has one noisy round (its spread reaches above the candidate); in a head-to-head chunk every
+    config is steady, the candidate ``true_gain`` times the stock."""
+
+    width = 1
+    ar_tok_s = 10.0
+    shares_rounds = True
+
+    def __init__(self, true_gain: float) -> None:
+        self.true_gain, self.chunks = true_gain, 0
+
+    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+        self.chunks += 1
+        out = []
+        for c in configs:
+            stock = c.k == 4
+            if len(configs) == 2:  # the head-to-head chunk: steady rounds
+                rounds = [1.40] * 3 if stock else [1.40 * self.true_gain] * 3
+            else:
+                rounds = [1.36, 1.64, 1.41] if stock else [1.46, 1.57, 1.59]
+            sp = sorted(rounds)[1]
+            out.append(TrialResult(c, 10 * sp, sp, 2.0, [], True, {}, 0.0, 0.0, rounds=rounds))
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("true_gain", [1.12, 1.0])
+def test_a_contender_inside_the_bests_spread_is_confirmed_head_to_head(tmp_path, true_gain):
+    d = Direction("d", ("draft",), (Knob("k", 8, choices=(8,)),), _set_k)
+    settings = TuneSettings(rounds=2, explorer="local", min_gain=0.02)
+    logs: list[str] = []
+    ex = NoisyStockExecutor(true_gain)
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        loop = TuneLoop(BASE, [d], ex, store, _fingerprint("c"), "c", settings, log=logs.append)
+        out = loop.run()
+    assert any("head to head" in m for m in logs), logs
+    assert ex.chunks >= 3  # stock, the candidate, then the two together
+    assert (out.best.config.k == 8) == (true_gain > 1.0)  # adopted only if it wins there
+
+
 # ----------------------------------------------------------------------------- the command
 def test_tune_ends_with_a_compare_on_held_out_prompts(tiny, tmp_path, capsys):  # noqa: F811
     model, prompts = tiny

@@ -1,5 +1,10 @@
 """A winner measured head to head with the best (the local executor's rule, ``TuneLoop``).
 
+A round whose candidates all fail the interval rule may still hold a *contender*
+(:func:`best_contender`): its whole spread above the best's median, but the best's own spread
+reaching above it (one noisy round of the best is enough for that). It gets the same head-to-head
+confirm a winner gets, and becomes the best only if it wins there.
+
 Both go in one chunk, so they share its AR rounds, interleaved: the candidate's per-round ratio
 over the best must lie above 1 by more than the noise (and ``min_gain``). Ratios over AR measured
 at different times can differ by a few percent without either engine changing; this rules that
@@ -8,7 +13,10 @@ out.
 
 from __future__ import annotations
 
-from specpilot.bench.protocol import Ratio
+from collections.abc import Sequence
+from typing import TypeVar
+
+from specpilot.bench.protocol import MIN_ROUNDS_FOR_VERDICT, Ratio
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.executors import Executor
 
@@ -23,3 +31,24 @@ def head_to_head(
     pair = Ratio([x / y for x, y in zip(c.rounds, b.rounds, strict=True) if y > 0])
     ok = b.eligible and c.eligible and pair.beats(Ratio([1.0] * len(pair.values)), min_gain)
     return b, c, pair, ok
+
+
+P = TypeVar("P")
+
+
+def best_contender(
+    results: Sequence[tuple[P, TrialResult]], best: TrialResult, min_gain: float
+) -> tuple[P, TrialResult] | None:
+    """The eligible result with the highest median whose lowest round lies above the best's
+    median (and whose median beats it by ``min_gain``): worth a head-to-head measurement although
+    the best's spread overlaps it; None when there is none."""
+    base = best.ratio.median
+    ok = [
+        (p, r)
+        for p, r in results
+        if r.eligible
+        and len(r.ratio.values) >= MIN_ROUNDS_FOR_VERDICT
+        and r.ratio.lo > base
+        and r.ratio.median >= base * (1.0 + min_gain)
+    ]
+    return max(ok, key=lambda w: w[1].ratio.median, default=None)

@@ -32,7 +32,7 @@ from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
-from specpilot.tune.confirm import head_to_head
+from specpilot.tune.confirm import best_contender, head_to_head
 from specpilot.tune.dispatch import Batch, stream_batches
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.executors import Executor, StreamingExecutor
@@ -303,11 +303,14 @@ class TuneLoop:
                     measured = self._pool_round(round_, picked, outcome.best.config)[0]
             outcome.rounds_run = round_
             winners: list[tuple[Proposal, TrialResult]] = []
+            eligible: list[tuple[Proposal, TrialResult]] = []
             for d, proposals, results in measured:  # the round's decisions, direction by direction
                 ex = self.explorers[d.name]
                 for p, r in zip(proposals, results, strict=False):  # shorter if cut by the budget
                     ex.tell(p.trial_number, r.speedup if r.eligible else 0.0)
                     outcome.trials.append(self._trial(round_, d.name, r))
+                    if r.eligible:
+                        eligible.append((p, r))
                     if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                         winners.append((p, r))
                 if d.name.startswith("mechanism:") and any(not r.forcing_ok for r in results):
@@ -316,6 +319,17 @@ class TuneLoop:
                     self.quarantined.add(d.name)
                     winners = [w for w in winners if w[0].explorer != d.name]
                     self.log(f"  {d.name} quarantined: a candidate with it failed token forcing")
+            contender = None
+            if not winners and getattr(self.executor, "shares_rounds", False):
+                ok = [w for w in eligible if w[0].explorer not in self.quarantined]
+                contender = best_contender(ok, outcome.best, s.min_gain)
+            if contender is not None:  # the head-to-head confirm below decides
+                winners = [contender]
+                self.log(
+                    f"  {describe(contender[1].config)}: {contender[1].spread_text()} AR lies above "
+                    f"the best's median ({outcome.best.spread_text()}) but inside its spread; "
+                    "measuring the two head to head"
+                )
             # A direction whose candidates all lost yields its slot to the next one next round,
             # so every direction gets tried within the budget, not only the top-ranked ones.
             won = {p.explorer for p, _ in winners}
@@ -337,7 +351,8 @@ class TuneLoop:
                     break
                 self.log(f"round {round_}: no winner; next: {', '.join(left)}")
                 continue
-            stale = {}
+            if contender is None:
+                stale = {}
             best_round = max(winners, key=lambda w: w[1].speedup)
             by_direction: dict[str, tuple[Proposal, TrialResult]] = {}
             for p, r in winners:
@@ -357,7 +372,11 @@ class TuneLoop:
                         new_best = r
             confirmed = self._confirm(round_, outcome, new_best)
             if confirmed is None:
+                if contender is not None:  # a round without a winner after all
+                    for d in picked:
+                        stale[d.name] = stale.get(d.name, 0) + 1
                 continue
+            stale = {}
             outcome.best = new_best = confirmed
             h = config_hash(new_best.config)
             self.store.validate(
