@@ -29,7 +29,7 @@ from specpilot.runtime import LoadedModel, build_drafter
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.explorers import Explorer, make_explorer
 from specpilot.tune.local_search import LocalSearchExplorer
-from specpilot.tune.loop import TuneLoop, TuneSettings
+from specpilot.tune.loop import TuneLoop, TuneOutcome, TuneSettings
 from specpilot.tune.space import Direction, directions_for, early_exit_layers
 from test_tune import tiny, tune_argv  # noqa: F401  (tiny is a fixture)
 
@@ -285,6 +285,23 @@ def test_a_contender_inside_the_bests_spread_is_confirmed_head_to_head(tmp_path,
     assert any("head to head" in m for m in logs), logs
     assert ex.chunks >= 3  # stock, the candidate, then the two together
     assert (out.best.config.k == 8) == (true_gain > 1.0)  # adopted only if it wins there
+
+
+def test_with_no_time_left_an_interval_winner_is_taken_and_a_contender_is_not(tmp_path):
+    ex = NoisyStockExecutor(1.12)
+    d = Direction("d", ("draft",), (Knob("k", 8, choices=(8,)),), _set_k)
+    logs: list[str] = []
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        loop = TuneLoop(
+            BASE, [d], ex, store, _fingerprint("e"), "e", TuneSettings(), log=logs.append
+        )
+        best, cand = ex.map([BASE])[0], ex.map([dataclasses.replace(BASE, k=8)])[0]
+        outcome = TuneOutcome(stock=best, best=best, ar_tok_s=10.0)
+        loop._time_left = lambda: False  # type: ignore[method-assign]
+        assert loop._confirm(1, outcome, cand, interval_ok=True) is cand
+        assert loop._confirm(1, outcome, cand, interval_ok=False) is None
+    assert ex.chunks == 2  # no head-to-head chunk was run
+    assert "taken on the interval rule" in logs[0] and "not taken" in logs[1]
 
 
 # ----------------------------------------------------------------------------- the command

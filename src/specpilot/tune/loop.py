@@ -370,7 +370,7 @@ class TuneLoop:
                     outcome.trials.append(self._trial(round_, "integrate", r))
                     if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
-            confirmed = self._confirm(round_, outcome, new_best)
+            confirmed = self._confirm(round_, outcome, new_best, contender is None)
             if confirmed is None:
                 if contender is not None:  # a round without a winner after all
                     for d in picked:
@@ -408,13 +408,22 @@ class TuneLoop:
         device = "cuda" if self.base.deployment.device.startswith("cuda") else "cpu"
         return Usage.of_results("local", device, [t.result for t in outcome.trials])
 
-    def _confirm(self, round_: int, outcome: TuneOutcome, cand: TrialResult) -> TrialResult | None:
+    def _confirm(
+        self, round_: int, outcome: TuneOutcome, cand: TrialResult, interval_ok: bool = True
+    ) -> TrialResult | None:
         """A winner confirmed head to head with the best (``tune/confirm.py``): the candidate as
         measured there, or None. (Executors that do not share rounds across a chunk, e.g. Ray's
-        actors, keep the interval rule alone.)"""
+        actors, keep the interval rule alone.) With no time left, a candidate that passed the
+        interval rule (``interval_ok``) is taken on it; a contender (``best_contender``) is not."""
         if not getattr(self.executor, "shares_rounds", False):
             return cand
         if not self._time_left():
+            if interval_ok:  # it beat the best by more than both spreads: taken on that rule
+                self.log(
+                    f"  [confirm] no time left to confirm {describe(cand.config)} head to head: "
+                    "taken on the interval rule (the held-out compare measures it head to head)"
+                )
+                return cand
             self.log(f"  [confirm] no time left to confirm {describe(cand.config)}: not taken")
             return None
         best, t0 = outcome.best, time.perf_counter()
