@@ -40,7 +40,6 @@ import random
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -56,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from w12_gpu import kernel_bench_setup, time_calls
 
 from specpilot.bench.records import git_rev
+from specpilot.bench.script import guarded
 from specpilot.kernels import decode_triton, reference
 from specpilot.kernels.fused_gemv import norm_gemv, residual_gemv, silu_gemv
 from specpilot.kernels.gemm_common import counter_buffer
@@ -380,10 +380,9 @@ def main() -> None:
     deadline = started + args.budget_s
     for name, (n, k) in mats.items():
         t0 = time.perf_counter()
-        try:
-            res["matrices"][name] = bench_matrix(name, n, k, dev, args, copy_bw, deadline)
-        except Exception as e:
-            res["matrices"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        res["matrices"][name] = guarded(
+            lambda n=n, k=k, name=name: bench_matrix(name, n, k, dev, args, copy_bw, deadline), 2000
+        )
         res["matrices"][name]["seconds"] = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -391,10 +390,7 @@ def main() -> None:
         res["summary"] = summarize(ok, args.ms) if len(ok) == len(mats) else {}
         path.write_text(json.dumps(res, indent=1))
     if not args.no_e2e:
-        try:
-            res["e2e"] = e2e(dev, res, args.tiny, args.rounds, not args.no_w12)
-        except Exception as e:
-            res["e2e"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        res["e2e"] = guarded(lambda: e2e(dev, res, args.tiny, args.rounds, not args.no_w12), 2000)
     res["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(res, indent=1))
     print(table(res))

@@ -42,6 +42,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from specpilot.bench.records import git_rev
+from specpilot.bench.script import guarded
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
@@ -436,13 +437,12 @@ def main() -> None:
     path = args.out / "w12_gpu.json"
     for sname, (n, k) in shapes.items():
         t0 = time.perf_counter()
-        try:
-            result["shapes"][sname] = bench_shape(sname, n, k, ms, sweep, dev, bw, reps, deadline)
-        except Exception as e:
-            result["shapes"][sname] = {
-                "error": f"{type(e).__name__}: {e}",
-                "trace": traceback.format_exc()[-2000:],
-            }
+        result["shapes"][sname] = guarded(
+            lambda sname=sname, n=n, k=k: bench_shape(
+                sname, n, k, ms, sweep, dev, bw, reps, deadline
+            ),
+            2000,
+        )
         result["shapes"].get(sname, {})["seconds"] = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.empty_cache()

@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import asdict
 from datetime import UTC, datetime
 from functools import partial
@@ -50,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from w12_gpu import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 
 from specpilot.bench.records import git_rev
+from specpilot.bench.script import guarded
 from specpilot.costmodel.weight_format import predicted_w12_forward_s
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
@@ -318,10 +318,9 @@ def main() -> None:
     deadline = started + args.budget_s
     for sname, (n, k) in shapes.items():
         t0 = time.perf_counter()
-        try:
-            res["shapes"][sname] = bench_shape(n, k, dev, args, copy_bw, deadline)
-        except Exception as e:
-            res["shapes"][sname] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        res["shapes"][sname] = guarded(
+            lambda n=n, k=k: bench_shape(n, k, dev, args, copy_bw, deadline), 2000
+        )
         res["shapes"][sname]["seconds"] = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -330,11 +329,12 @@ def main() -> None:
         res["wall_s"] = time.perf_counter() - started
         path.write_text(json.dumps(res, indent=1))
     if not args.no_e2e:
-        try:
-            ctx = {**res["summary"], "_shapes": res["shapes"], "_copy_bw": copy_bw}
-            res["e2e"] = e2e(dev, ctx, args.tiny)
-        except Exception as e:
-            res["e2e"] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}  # fmt: skip
+        res["e2e"] = guarded(
+            lambda: e2e(
+                dev, {**res["summary"], "_shapes": res["shapes"], "_copy_bw": copy_bw}, args.tiny
+            ),
+            2000,
+        )
     res["wall_s"] = time.perf_counter() - started
     path.write_text(json.dumps(res, indent=1))
     print(table(res))

@@ -18,6 +18,22 @@ from specpilot.bench.records import git_rev
 from specpilot.costmodel.measure import capture_graph
 
 
+def guarded(fn: Callable[[], Any], trace_chars: int | None = None, echo: bool = False) -> Any:
+    """``fn()``, or, if it raises, ``{"error": ..., "trace": ...}`` (the last ``trace_chars`` of
+    the traceback; all of it by default; ``echo``: also on stderr): one failing part of a GPU
+    script is reported and the others still run."""
+    try:
+        return fn()
+    except Exception as e:
+        trace = traceback.format_exc()
+        if echo:
+            print(trace, file=sys.stderr)
+        return {
+            "error": f"{type(e).__name__}: {e}",
+            "trace": trace[-trace_chars:] if trace_chars else trace,
+        }
+
+
 class BenchScript:
     """``out``: the JSON record (``sections`` filled by :meth:`section`), written to
     ``out_dir / file_name`` by :meth:`save`."""
@@ -65,14 +81,10 @@ class BenchScript:
         record its seconds and save."""
         sec = self.out["sections"]
         t = time.perf_counter()
-        try:
-            sec[name] = fn()
-        except Exception as e:  # a failing section is reported, the others still run
-            sec[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-            print(sec[name]["trace"], file=sys.stderr)
+        sec[name] = guarded(fn, echo=True)
         self.out.setdefault("section_s", {})[name] = time.perf_counter() - t
         self.save()
         return sec[name]
 
 
-__all__ = ["BenchScript"]
+__all__ = ["BenchScript", "guarded"]
