@@ -32,6 +32,7 @@ from specpilot.kernels.decode_attn_plan import (
     split_plan,
     valid_splits,
 )
+from specpilot.mechanisms.saving import step_speedup
 
 ASSUMPTIONS = (
     "one CTA per SM streams at most bandwidth/SMs; every launch costs the same latency; "
@@ -65,7 +66,7 @@ class DecodeAttnPrediction:
 
     def speedup(self, step_s: float) -> float:
         """A step of ``step_s`` with SDPA over the same step with split-KV attention."""
-        return step_s / max(step_s - self.saved_s, 1e-12)
+        return step_speedup(step_s, self.saved_s)
 
 
 def _time(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specpilot.mechanisms.saving import step_speedup
+
 ASSUMPTIONS = (
     "bandwidth-bound passes at the measured copy bandwidth; small kernels at kernel_s each "
     "inside a CUDA graph; an abstain costs one more verify and read-back"
@@ -50,7 +52,7 @@ class ExactHeadPrediction:
 
     def speedup(self, step_s: float) -> float:
         """Predicted speedup of a step of ``step_s`` seconds (stock head included)."""
-        return step_s / max(step_s - self.saved_s, 1e-12)
+        return step_speedup(step_s, self.saved_s)
 
 
 def predict(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from specpilot.config import ModelConfig
 from specpilot.mechanisms.fused_gemv import MATRIX_SETS
 from specpilot.mechanisms.l2_prefetch_cost import matrix_bytes
+from specpilot.mechanisms.saving import step_speedup
 
 ASSUMPTIONS = (
     "each removed kernel saves its measured time plus one launch gap; cuBLAS's split-K reduce "
@@ -99,7 +100,7 @@ class FusedGemvPrediction:
 
     def speedup(self, step_s: float) -> float:
         """A step of ``step_s`` without the mechanism over the same step with it."""
-        return step_s / max(step_s - self.saved_s, 1e-12)
+        return step_speedup(step_s, self.saved_s)
 
 
 def predict(

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from specpilot.config import ModelConfig
 from specpilot.mechanisms.l2_prefetch import NEXT_MATRIX, PHASE_SETS, MiB
+from specpilot.mechanisms.saving import step_speedup
 
 PHASE_KERNELS = {"input_norm": 1, "attention": 2, "post_attn_norm": 1, "silu_mul": 1}
 """Kernels the engine's layer body runs in each idle phase on CUDA (Triton RMSNorm; fused RoPE +
@@ -86,7 +87,7 @@ class L2PrefetchPrediction:
 
     def speedup(self, step_s: float) -> float:
         """A step of ``step_s`` without the mechanism over the same step with it."""
-        return step_s / max(step_s - self.saved_s, 1e-12)
+        return step_speedup(step_s, self.saved_s)
 
 
 def predict(
