@@ -59,10 +59,14 @@ def _f32_to_bf16(v, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _out_cast(v, y_ptr, INTERPRET: tl.constexpr):
-    """An fp32 tile in the output's dtype: kept fp32 for an fp32 ``y``, else rounded to bf16."""
-    if y_ptr.dtype.element_ty == tl.float32:
-        return v
-    return _f32_to_bf16(v, INTERPRET)
+    """An fp32 tile in the output's dtype: kept fp32 for an fp32 ``y``, else rounded to bf16.
+    One return after a full if/else: Triton 3.6 also compiles the statements after a
+    compile-time ``if`` whose branch returns, and then rejects the two return types."""
+    if y_ptr.dtype.element_ty == tl.float32:  # noqa: SIM108 (the form Triton 3.6 compiled)
+        out = v
+    else:
+        out = _f32_to_bf16(v, INTERPRET)
+    return out
 
 
 @triton.jit
