@@ -43,6 +43,7 @@ if not torch.cuda.is_available():
 
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
+from specpilot.costmodel.hardware import copy_bandwidth
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
@@ -162,15 +163,7 @@ def kernel_bench_setup(
         args.rounds, args.reps = 1, 1
     args.out.mkdir(parents=True, exist_ok=True)
     nbytes = (1 << 20) if args.tiny else (2 << 30)
-    return args, dev, max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write
-
-
-def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
-    """Bytes per second of a device-to-device copy, counting the read and the write."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = time_calls([lambda: dst.copy_(src)], dev, reps=10 if dev.type == "cuda" else 2)
-    return 2 * nbytes / t
+    return args, dev, max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write, eager
 
 
 def error_ratio(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:

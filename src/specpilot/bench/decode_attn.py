@@ -22,10 +22,11 @@ import torch
 from specpilot.bench.gpu_hf import prefix_agree
 from specpilot.bench.gpu_suite import _verify_engine
 from specpilot.engine import Engine, generate
+from specpilot.forcing.check import force_sequence
 from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
 from specpilot.mechanisms.decode_attn import install, uninstall
 from specpilot.mechanisms.decode_attn_cost import ASSUMPTIONS, predict
-from specpilot.synthetic import build_target
+from specpilot.synthetic import build_target, make_peaked
 from specpilot.timing import spread
 
 NAME = "split-kv"
@@ -48,7 +49,10 @@ def run_e2e(
     """Per context: forward time per width, off vs on, with the prediction beside."""
     cpu = device.type == "cpu"
     shape, dtype = ("tiny-llama", torch.float32) if cpu else ("llama3-8b", torch.bfloat16)
-    model = build_target(shape, device, dtype, seed=0, max_positions=max(contexts) + 256)
+    # peaked: clear top-1 margins, so that the two arms' AR tokens may be compared as well as forced
+    model = make_peaked(
+        build_target(shape, device, dtype, seed=0, max_positions=max(contexts) + 256)
+    )
     cfg = model.cfg
     gen = torch.Generator().manual_seed(0)
     out: dict[str, Any] = {"shape": shape, "assumptions": ASSUMPTIONS, "contexts": {}}
@@ -76,10 +80,15 @@ def run_e2e(
         model.dense_attention = kernel
         ar_on = generate(Engine(model), [prompt], new_tokens)[0].tokens
         uninstall(model)
+        forced = {name: force_sequence(model, name, prompt, toks)  # the stock forward: no kernel
+                  for name, toks in (("off", ar_off), ("on", ar_on))}  # fmt: skip
         row: dict[str, Any] = {
             "ar_tokens": len(ar_off),
             "ar_tokens_equal": ar_off == ar_on,
             "ar_same_prefix": prefix_agree(ar_off, ar_on),
+            "forcing": {
+                n: {"mismatches": v.mismatches, "near_ties": v.near_ties} for n, v in forced.items()
+            },
             "widths": {},
         }
         for w in widths:
@@ -158,7 +167,11 @@ def table(out: dict[str, Any]) -> str:
             )
         lines.append(
             f"e2e ctx {ctx}: AR tokens equal {row['ar_tokens_equal']} "
-            f"(same prefix {row['ar_same_prefix']}/{row['ar_tokens']})"
+            f"(same prefix {row['ar_same_prefix']}/{row['ar_tokens']}); token forcing "
+            + ", ".join(
+                f"{n} {v['mismatches']} mismatches {v['near_ties']} near-ties"
+                for n, v in row.get("forcing", {}).items()
+            )
         )
     if "error" in e2e:
         lines.append(f"e2e: {e2e['error']}")

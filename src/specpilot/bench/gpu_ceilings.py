@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specpilot.costmodel.hardware import copy_bandwidth
 from specpilot.timing import time_call
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    n = nbytes // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    sec = time_call(lambda: dst.copy_(src), device, iters=20)
-    return 2 * n * 2 / sec
 
 
 def read_bandwidth(device: torch.device, nbytes: int) -> float:

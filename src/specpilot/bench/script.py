@@ -46,7 +46,8 @@ class BenchScript:
         self.out_dir, self.file_name, self.budget_s = out_dir, file_name, budget_s
         self.t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
-        self.graphs: list[Callable[[], object]] = []  # keeps the pool's graphs alive (``graph``)
+        self.graphs: list[tuple[Callable[[], object], Callable[[], object]]] = []
+        """(replay, fn) of every graph: keeps the pool's graphs and what they use alive (``graph``)"""
         self.out: dict[str, Any] = {
             "device": torch.cuda.get_device_name(device) if self.cuda else "cpu",
             "git": git_rev(),
@@ -69,11 +70,14 @@ class BenchScript:
         CUDA. Every graph is kept alive for the whole run: once the last graph of a pool is
         freed, torch releases the pool, and a later capture into the same handle trips the
         caching allocator's ``use_count > 0`` assert (what stopped the first H200 run of
-        ``bench/l2_prefetch_gpu.py`` between its checks and its efficacy section)."""
+        ``bench/l2_prefetch_gpu.py`` between its checks and its efficacy section). ``fn`` is
+        kept too: a graph holds device addresses, not the objects behind them, so buffers that
+        only ``fn``'s closure owns (a kernel object's arrival counters, say) would otherwise be
+        freed and reused while the graph still reads and writes them."""
         if not self.cuda:
             return fn
         replay = capture_graph(fn, self.dev, self.pool)
-        self.graphs.append(replay)
+        self.graphs.append((replay, fn))
         return replay
 
     def section(self, name: str, fn: Callable[[], Any]) -> Any:

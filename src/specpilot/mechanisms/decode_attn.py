@@ -108,7 +108,9 @@ def install(
 
 
 def uninstall(model: Transformer) -> None:
-    """Back to SDPA (graphs captured meanwhile keep the kernel they captured)."""
+    """Back to SDPA. Graphs captured meanwhile still launch the kernel they captured, on the
+    instance's arrival counters: keep the instance ``install`` returned alive while they can
+    replay (a graph holds the counters' address, not the tensor)."""
     model.dense_attention = None
 
 
