@@ -190,7 +190,8 @@ def test_matrices_read_elsewhere_are_skipped_and_hooks_are_not_shared():
     assert not target.layers[0].phase_hooks  # nothing was installed
 
 
-def test_registry_entry_and_tuner_direction():
+def test_registry_entry_and_tuner_direction(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # no GPU name to screen by
     mech = MECHANISMS["l2-prefetch"]
     assert mech.plug_point == "layer_phases" and mech.component == "mlp"
     assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
@@ -222,6 +223,23 @@ def test_registry_entry_and_tuner_direction():
         s.startswith("l2-prefetch: not for device cpu")
         for s in skipped_mechanisms(base, "cpu", "llama")
     )
+
+
+@pytest.mark.parametrize(("gpu", "screened"), [("NVIDIA H200", True), ("NVIDIA H100 80GB", False)])
+def test_the_tuner_skips_it_on_a_gpu_where_it_measured_a_loss(monkeypatch, gpu, screened):
+    from specpilot.engine.config import DeploymentSpec, EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    base = EngineConfig(DeploymentSpec(target="m", drafter="ngram", dtype="bf16"), k=4)
+    searched = "mechanism:l2-prefetch" in {d.name for d in directions_for(base, "cuda", "llama")}
+    skipped = [s for s in skipped_mechanisms(base, "cuda", "llama") if s.startswith("l2-prefetch")]
+    assert searched is not screened
+    assert bool(skipped) is screened
+    if screened:
+        assert "measured slower on this GPU (NVIDIA H200)" in skipped[0]
+    cpu = EngineConfig(DeploymentSpec(target="m", drafter="ngram", dtype="bf16", device="cpu"), k=4)
+    assert MECHANISMS["l2-prefetch"].screened_out(cpu) is None  # not a CUDA deployment
 
 
 # ---------------------------------------------------------------------- cost model

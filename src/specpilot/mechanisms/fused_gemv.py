@@ -59,10 +59,13 @@ MATRIX_SETS = {
     "mlp": ("w_gate_up", "w_down"),
     "down": ("w_down",),
     "o_down": ("w_o", "w_down"),
+    "qkv_o": ("w_qkv", "w_o"),
 }
 """Knob ``matrices``: which GEMVs run fused (qkv, gate_up: the norm before them; down: SiLU·mul
 and the residual; o: the residual). ``o_down``: the residual epilogues and SiLU·mul only, the
-norms stay separate kernels."""
+norms stay separate kernels. ``qkv_o`` (the default): the two GEMVs that beat cuBLAS plus their
+separate kernels at M = 1 on the H200 (x1.04 and x1.11); fused gate_up and down were slower
+(x0.88, x0.95: the Triton GEMV streams those wide matrices below cuBLAS's bandwidth)."""
 
 
 def _rows(x: Tensor) -> Tensor:  # [M, N]: unit column stride, as the epilogue reads it
@@ -212,7 +215,7 @@ MECHANISM = Mechanism(
     knobs=(
         Knob(
             "matrices",
-            "all",
+            "qkv_o",  # the two that won at M = 1 on the H200 (docs/BENCHMARKS.md, 2026-12-01)
             choices=tuple(MATRIX_SETS),
             doc="which GEMVs run fused: qkv and gate_up take the norm before them, down the "
             "SiLU·mul and the residual, o the residual",

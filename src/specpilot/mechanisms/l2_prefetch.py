@@ -52,6 +52,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
     from specpilot.engine.build import EngineBuild
+    from specpilot.engine.config import EngineConfig
     from specpilot.models.transformer import DecoderLayer, Transformer
 
 NEXT_MATRIX = {
@@ -250,6 +251,29 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     )
 
 
+MEASURED_LOSSES = {
+    "H200": (
+        "bench/l2_prefetch_gpu.py, 2026-12-01: every micro variant 0.3-2.3 us slower per "
+        "segment (predicted 0.5-2 us faster), AR decode of the 8B shape x0.86-0.95; a read after "
+        "a prefetch was slower than a cold one"
+    ),
+}
+"""GPUs (by a substring of the CUDA device name) on which the mechanism was measured to lose,
+with the measurement: the tuner does not try it there (``_screen``)."""
+
+
+def _screen(config: EngineConfig) -> str | None:
+    """A reason not to try it on this deployment's GPU (a measured loss), or None."""
+    dev = config.deployment.device
+    if not torch.cuda.is_available() or not (dev == "auto" or dev.startswith("cuda")):
+        return None
+    name = torch.cuda.get_device_name(dev if dev.startswith("cuda") else None)
+    for gpu, why in MEASURED_LOSSES.items():
+        if gpu in name:
+            return f"measured slower on this GPU ({name}): {why}"
+    return None
+
+
 MECHANISM = Mechanism(
     name="l2-prefetch",
     component="mlp",
@@ -288,6 +312,7 @@ MECHANISM = Mechanism(
         Knob("programs", 8, low=1, high=64, doc="CTAs of each prefetch launch"),
     ),
     applies=Applicability(devices=("cuda",)),
+    screen=_screen,
     summary="prefetch the head of the next matrix into L2 while the norms / attention run",
 )
 
