@@ -155,6 +155,59 @@ def test_a_seed_with_an_unknown_knob_is_refused_at_registration():
         )
 
 
+def _set_path(base: EngineConfig, p: dict) -> EngineConfig:
+    return dataclasses.replace(base, drafter_knobs=dict(p))
+
+
+PATHS = Direction(
+    "p",
+    ("argmax",),
+    (
+        Knob("path", "auto", choices=("auto", "graph", "host")),
+        Knob("c", 8, low=1, high=64, when=(("path", ("auto", "graph")),)),
+        Knob("r", 4096, low=64, high=65536, when=(("path", ("auto", "host")),)),
+    ),
+    _set_path,
+)
+
+
+@pytest.mark.parametrize("kind", ["local", "tpe"])
+def test_a_knob_that_does_nothing_for_the_chosen_path_stays_at_its_default(kind):
+    """``Knob.when``: on the host path ``c`` does nothing, on the graph path ``r`` does nothing;
+    neither explorer varies them there, nor proposes two points that differ only in them."""
+    if kind == "tpe":
+        pytest.importorskip("optuna")
+    ex = make_explorer(PATHS, 0, kind)
+    seen: set[tuple] = set()
+    for _ in range(12):
+        for p in ex.propose(BASE, 4):
+            kn = p.config.drafter_knobs
+            if kn["path"] == "host":
+                assert kn["c"] == 8
+            if kn["path"] == "graph":
+                assert kn["r"] == 4096
+            key = tuple(sorted(kn.items()))
+            assert key not in seen
+            seen.add(key)
+            ex.tell(p.trial_number, {"auto": 0, "graph": 5, "host": 10}[kn["path"]] + kn["c"] / 100)
+    assert {k[1][1] for k in seen} >= {"graph", "host"}  # both paths were explored
+
+
+def test_canonical_and_a_dependency_on_an_unknown_knob():
+    from specpilot.mechanisms import canonical
+    from specpilot.mechanisms.registry import Mechanism
+
+    knobs = PATHS.params
+    assert canonical(knobs, {"path": "host", "c": 3, "r": 99}) == {"path": "host", "c": 8, "r": 99}
+    assert canonical(knobs, {"path": "auto", "c": 3, "r": 99}) == {"path": "auto", "c": 3, "r": 99}
+    for when in ((("mode", ("x",)),), (("path", ("gpu",)),)):
+        with pytest.raises(ValueError, match=r"depends on|has no values"):
+            Mechanism(
+                "m", "verify", "verify_strategy", "-", lambda b, k: None,
+                (Knob("path", "auto", choices=("auto", "host")), Knob("c", 1, low=0, high=2, when=when)),
+            )  # fmt: skip
+
+
 def _set_k(base: EngineConfig, p: dict) -> EngineConfig:
     return dataclasses.replace(base, k=int(p["k"]))
 

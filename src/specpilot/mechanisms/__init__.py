@@ -19,6 +19,7 @@ from specpilot.mechanisms.registry import (
     Applicability,
     Knob,
     Mechanism,
+    canonical,
 )
 from specpilot.mechanisms.row_block_len import MECHANISM as ROW_BLOCK_LEN
 from specpilot.mechanisms.tiered_budget import MECHANISM as TIERED_BUDGET
@@ -53,4 +54,5 @@ __all__ = [
     "Applicability",
     "Knob",
     "Mechanism",
+    "canonical",
 ]

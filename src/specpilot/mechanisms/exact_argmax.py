@@ -282,6 +282,7 @@ MECHANISM = Mechanism(
             low=1,
             high=64,
             doc="graph path: blocks refined per row (C); a row needing more makes the call abstain",
+            when=(("path", ("auto", "graph")),),
         ),
         Knob(
             "max_refine_rows",
@@ -290,6 +291,7 @@ MECHANISM = Mechanism(
             high=65536,
             doc="host path: most vocabulary rows refined in float64 per call before the stock "
             "head answers",
+            when=(("path", ("auto", "host")),),
         ),
     ),
     applies=Applicability(),

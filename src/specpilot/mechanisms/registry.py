@@ -56,6 +56,10 @@ class Knob:
     choices: tuple[Any, ...] = ()
     """Allowed values for categorical knobs (empty for numeric ones)."""
     doc: str = ""
+    when: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    """The knob matters only while every named knob has one of the given values (e.g. a knob of
+    one code path: ``(("path", ("graph", "auto")),)``); elsewhere it is held at its default, so a
+    search does not spend trials on it (``canonical``)."""
 
     def __post_init__(self) -> None:
         if self.choices and self.default not in self.choices:
@@ -74,6 +78,16 @@ class Knob:
                 f"knob {self.name} must be in [{self.low}, {self.high}], got {value!r}"
             )
         return type(self.default)(value)
+
+
+def canonical(knobs: tuple[Knob, ...], params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` with every knob that does not matter for them (``Knob.when``) at its default:
+    two settings that differ only there are one configuration."""
+    out = dict(params)
+    for knob in knobs:
+        if any(out.get(name) not in values for name, values in knob.when):
+            out[knob.name] = knob.default
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +138,16 @@ class Mechanism:
             raise ValueError(f"mechanism {self.name}: unknown component {self.component!r}")
         if self.plug_point not in PLUG_POINTS:
             raise ValueError(f"mechanism {self.name}: unknown plug point {self.plug_point!r}")
+        names = {k.name for k in self.knobs}
+        for knob in self.knobs:
+            for other, values in knob.when:
+                if other not in names or other == knob.name:
+                    raise ValueError(
+                        f"mechanism {self.name}: knob {knob.name} depends on {other!r}"
+                    )
+                known = next(k for k in self.knobs if k.name == other)
+                if known.choices and set(values) - set(known.choices):
+                    raise ValueError(f"mechanism {self.name}: {other} has no values {values}")
         for seeds in self.seeds.values():
             for seed in seeds:
                 self.resolve_knobs(seed)  # an unknown knob or a value out of range fails here

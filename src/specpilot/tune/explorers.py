@@ -4,8 +4,11 @@
 ``local_search.py`` (no dependency), and says which.
 
 The first proposal of a direction is its defaults (so "just enable the mechanism" is always
-tried), then its seeds (points measured better on this device, ``Direction.seeds``); later ones come from TPE, which learns from every result told back, failed gates
-included (told as speedup 0, so the sampler moves away from them).
+tried), then its seeds (points measured better on this device, ``Direction.seeds``); later ones
+come from TPE, which learns from every result told back, failed gates included (told as speedup
+0, so the sampler moves away from them). A knob that does nothing for the other knobs' values
+(``Knob.when``) is held at its default, and no point is proposed twice, nor one that derives the
+base config itself (both explorers alike).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpilot.engine.config import EngineConfig
-from specpilot.mechanisms import Knob
+from specpilot.mechanisms import Knob, canonical
 from specpilot.tune.proposal import Proposal, Proposer
 from specpilot.tune.space import Direction
 
@@ -38,6 +41,8 @@ class Explorer:
     seed: int = 0
     _study: Any = field(default=None, init=False, repr=False)
     _pending: dict[int, Any] = field(default_factory=dict, init=False, repr=False)
+    _done: set[str] = field(default_factory=set, init=False, repr=False)
+    """Every point proposed so far (canonical), across calls of ``propose``."""
 
     @property
     def name(self) -> str:
@@ -62,19 +67,19 @@ class Explorer:
         study = self._ensure_study()
         dists = {k.name: _distribution(k) for k in self.direction.params}
         out: list[Proposal] = []
-        seen: set[str] = set()
         for _ in range(n if dists else 1):
             trial = study.ask(dists)
-            params = dict(trial.params)
+            # knobs that do nothing for the others' values (``Knob.when``) at their defaults
+            params = canonical(self.direction.params, trial.params)
             key = repr(sorted(params.items()))
-            if key in seen:  # TPE repeats itself on small spaces; do not evaluate twice
+            cfg = self.direction.derive(base, params)
+            # TPE repeats itself: never evaluate a point twice, nor the base (the loop's best)
+            if key in self._done or cfg == base:
                 study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                 continue
-            seen.add(key)
+            self._done.add(key)
             self._pending[trial.number] = trial
-            out.append(
-                Proposal(self.name, params, self.direction.derive(base, params), trial.number)
-            )
+            out.append(Proposal(self.name, params, cfg, trial.number))
         return out
 
     def tell(self, trial_number: int, speedup: float) -> None:

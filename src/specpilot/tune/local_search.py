@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specpilot.engine.config import EngineConfig
-from specpilot.mechanisms import Knob
+from specpilot.mechanisms import Knob, canonical
 from specpilot.tune.proposal import Proposal
 from specpilot.tune.space import Direction
 
@@ -95,6 +95,7 @@ class LocalSearchExplorer:
         for params in pool:
             if len(out) >= n:
                 break
+            params = canonical(knobs, params)  # knobs that do nothing here at their defaults
             key = self._key(params)
             if key in seen:
                 continue
