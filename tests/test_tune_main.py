@@ -208,6 +208,26 @@ def test_canonical_and_a_dependency_on_an_unknown_knob():
             )  # fmt: skip
 
 
+def test_winners_of_two_directions_are_stacked_one_direction_is_not():
+    from specpilot.tune.integrate import per_direction, stacked
+    from specpilot.tune.proposal import Proposal
+
+    def win(explorer: str, params: dict, sp: float) -> tuple[Proposal, TrialResult]:
+        r = TrialResult(BASE, 10 * sp, sp, 2.0, [], True, {}, 0.0, 0.0, rounds=[sp] * 3)
+        return Proposal(explorer, params, BASE, 0), r
+
+    derive = {
+        "k": lambda c, p: dataclasses.replace(c, k=p["k"]),
+        "a": lambda c, p: dataclasses.replace(c, drafter_knobs={**c.drafter_knobs, "a": p["a"]}),
+    }
+    one = [win("k", {"k": 6}, 1.2), win("k", {"k": 8}, 1.3)]
+    assert stacked(BASE, one, derive) is None
+    assert per_direction(one)["k"][0].params == {"k": 8}  # the direction's fastest
+    both = [*one, win("a", {"a": 3}, 1.1)]
+    cfg = stacked(BASE, both, derive)
+    assert cfg is not None and cfg.k == 8 and cfg.drafter_knobs == {"a": 3}
+
+
 def _set_k(base: EngineConfig, p: dict) -> EngineConfig:
     return dataclasses.replace(base, k=int(p["k"]))
 

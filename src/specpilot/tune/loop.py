@@ -32,11 +32,12 @@ from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
-from specpilot.tune.confirm import best_contender, head_to_head
+from specpilot.tune.confirm import best_contender, clock, confirm_winner
 from specpilot.tune.dispatch import Batch, stream_batches
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.executors import Executor, StreamingExecutor
 from specpilot.tune.explorers import Proposal, Proposer, make_explorer
+from specpilot.tune.integrate import stacked
 from specpilot.tune.outcome import Trial, TuneOutcome, TuneSettings
 from specpilot.tune.space import (
     STATIC_GAP_ORDER,
@@ -211,7 +212,7 @@ class TuneLoop:
         n = self.settings.directions_per_round
         picked = [d for d in self.directions if d.name not in self.quarantined][:n]
         self.log(
-            f"[{_clock(self.elapsed())}] round {round_}: directions "
+            f"[{clock(self.elapsed())}] round {round_}: directions "
             f"{', '.join(d.name for d in picked)} (best so far {best})"
         )
         return picked
@@ -253,7 +254,7 @@ class TuneLoop:
     def _log_trial(self, explorer: str, c: EngineConfig, r: TrialResult) -> None:
         where = f" (on {r.worker})" if r.worker != "local" else ""
         self.log(
-            f"  [{_clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
+            f"  [{clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
             f"{r.spread_text()} AR, τ {r.tau:.2f}, {r.verdict()}{where}"
         )
 
@@ -293,7 +294,7 @@ class TuneLoop:
             if ahead is not None and round_ == 1:
                 picked, measured = ahead
             elif not self._time_left():
-                self.log(f"[{_clock(self.elapsed())}] time budget spent")
+                self.log(f"[{clock(self.elapsed())}] time budget spent")
                 break
             else:
                 picked = self._pick(round_, f"{outcome.best.speedup:.2f}x")
@@ -353,20 +354,11 @@ class TuneLoop:
                 continue
             if contender is None:
                 stale = {}
-            best_round = max(winners, key=lambda w: w[1].speedup)
-            by_direction: dict[str, tuple[Proposal, TrialResult]] = {}
-            for p, r in winners:
-                if (
-                    p.explorer not in by_direction
-                    or r.speedup > by_direction[p.explorer][1].speedup
-                ):
-                    by_direction[p.explorer] = (p, r)
-            new_best = best_round[1]
-            if len(by_direction) > 1:  # integrate: stack every direction's winner, re-measure
-                stacked = outcome.best.config
-                for p, _ in by_direction.values():
-                    stacked = self.by_name[p.explorer].derive(stacked, p.params)
-                for r in self._evaluate(round_, "integrate", [stacked]):
+            new_best = max(winners, key=lambda w: w[1].speedup)[1]
+            derive = {name: d.derive for name, d in self.by_name.items()}
+            stack = stacked(outcome.best.config, winners, derive)
+            if stack is not None:  # integrate: every direction's winner stacked, re-measured
+                for r in self._evaluate(round_, "integrate", [stack]):
                     outcome.trials.append(self._trial(round_, "integrate", r))
                     if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
@@ -411,41 +403,17 @@ class TuneLoop:
     def _confirm(
         self, round_: int, outcome: TuneOutcome, cand: TrialResult, interval_ok: bool = True
     ) -> TrialResult | None:
-        """A winner confirmed head to head with the best (``tune/confirm.py``): the candidate as
-        measured there, or None. (Executors that do not share rounds across a chunk, e.g. Ray's
-        actors, keep the interval rule alone.) With no time left, a candidate that passed the
-        interval rule (``interval_ok``) is taken on it; a contender (``best_contender``) is not."""
-        if not getattr(self.executor, "shares_rounds", False):
-            return cand
-        if not self._time_left():
-            if interval_ok:  # it beat the best by more than both spreads: taken on that rule
-                self.log(
-                    f"  [confirm] no time left to confirm {describe(cand.config)} head to head: "
-                    "taken on the interval rule (the held-out compare measures it head to head)"
-                )
-                return cand
-            self.log(f"  [confirm] no time left to confirm {describe(cand.config)}: not taken")
-            return None
-        best, t0 = outcome.best, time.perf_counter()
-        b, c, pair, ok = head_to_head(self.executor, best, cand, self.settings.min_gain)
-        self.chunk_seconds.append(time.perf_counter() - t0)
-        outcome.trials += [Trial(round_, "confirm", r, elapsed=self.elapsed()) for r in (b, c)]
-        self.log(
-            f"  [{_clock(self.elapsed())}] [confirm] {describe(cand.config)} over the best "
-            f"{describe(best.config)}, head to head: {pair.text()} → "
-            + ("a winner" if ok else "not a winner (within the noise)")
-        )
-        if not ok:
-            return None
-        c.config = cand.config
-        return c
+        """``confirm.confirm_winner`` with this loop's executor, clock and log."""
+        got, seconds = confirm_winner(
+            self.executor, outcome, cand, self.settings.min_gain, round_, self._time_left(),
+            interval_ok, self.log, self.elapsed,
+        )  # fmt: skip
+        if seconds is not None:
+            self.chunk_seconds.append(seconds)
+        return got
 
 
 def _cfg(c: EngineConfig) -> dict[str, Any]:
     import json
 
     return dict(json.loads(c.to_json()))
-
-
-def _clock(seconds: float) -> str:
-    return f"{int(seconds) // 60:02d}:{int(seconds) % 60:02d}"
