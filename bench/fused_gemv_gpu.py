@@ -247,13 +247,24 @@ def _checked_tokens(target: Any, prompt: list[int], n_tok: int, stock: list[int]
             "forcing_mismatches": report.mismatches, "forcing_near_ties": report.near_ties}  # fmt: skip
 
 
+def measured_prediction(cfg: Any, kern: dict[str, Any], bw: float, w: int) -> Any:
+    """The cost model's prediction for all four matrices fused at ``w`` rows, fed the measured
+    kernel times of step 2: cuBLAS's GEMV alone (its timing less the kernels fusing removes) and
+    the fused kernel (whose time already holds its prologue's reads)."""
+    from specpilot.mechanisms.fused_gemv_cost import gemv_alone_eff, matrix_bytes, predict
+
+    rows = {m: kern[m]["rows"][str(w)] for m in MATRICES}
+    cub = {m: gemv_alone_eff(cfg, m, r["cublas"]["us"] * 1e-6, bw) for m, r in rows.items()}
+    fus = {m: matrix_bytes(cfg, m) / bw / (r["fused"]["us"] * 1e-6) for m, r in rows.items()}
+    return predict(cfg, bw, "all", rows=w, cublas_eff=cub, fused_eff=fus, l2_Bps=float("inf"))
+
+
 def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int, w12: bool) -> dict[str, Any]:  # fmt: skip
     """Tokens and token forcing with the mechanism, then forward times: stock, fused, and with
     ``w12`` also W12 on qkv + gate_up (its M = 1 choice) alone and with the fused GEMVs."""
     from specpilot.bench.gpu_suite import _verify_engine
     from specpilot.engine import Engine, generate
     from specpilot.mechanisms.fused_gemv import install
-    from specpilot.mechanisms.fused_gemv_cost import predict
     from specpilot.mechanisms.w12 import install as install_w12
     from specpilot.synthetic import build_target
 
@@ -312,9 +323,7 @@ def e2e(dev: torch.device, res: dict[str, Any], tiny: bool, rounds: int, w12: bo
         try:
             if tiny:
                 raise ValueError("the cost model's kernel costs are the H200's")
-            cub = {m: kern[m]["rows"][str(w)]["cublas"]["roofline_frac"] for m in MATRICES}
-            fus = {m: kern[m]["rows"][str(w)]["fused"]["roofline_frac"] for m in MATRICES}
-            p = predict(cfg, res["copy_TBps"] * 1e12, "all", rows=w, cublas_eff=cub, fused_eff=fus)
+            p = measured_prediction(cfg, kern, res["copy_TBps"] * 1e12, w)
             row["fused"]["predicted_ms_costmodel"] = 1e3 * (st - p.saved_s)
             row["fused"]["costmodel_kernels_removed"] = p.kernels_removed
         except (KeyError, ValueError) as e:

@@ -300,6 +300,34 @@ def test_cost_model() -> None:
         predict(cfg, 0.0)
 
 
+def test_measured_cublas_times_lose_the_kernels_fusing_removes_before_the_prediction() -> None:
+    """A timing of what the engine runs (norm kernel + GEMV) fed to ``predict`` through
+    ``gemv_alone_eff``: the predicted saving per matrix is that timing less the fused one, with
+    the removed kernels counted once."""
+    from specpilot.mechanisms.fused_gemv_cost import (
+        KernelCosts,
+        gemv_alone_eff,
+        matrix_bytes,
+        predict,
+    )
+    from specpilot.synthetic import TARGET_SHAPES
+
+    cfg, bw = TARGET_SHAPES["llama3-8b"], 4.25e12
+    costs = KernelCosts(rms_norm_s=2e-6, silu_mul_s=1.5e-6, reduce_s=1.8e-6, gap_s=0.5e-6)
+    stream = matrix_bytes(cfg, "w_qkv") / bw
+    t_engine = 2.5e-6 + stream / 0.9  # the norm and its gap, then a GEMV at 90% of bandwidth
+    assert gemv_alone_eff(cfg, "w_qkv", t_engine, bw, costs) == pytest.approx(0.9)
+    for t_fused in (t_engine - 1e-6, t_engine + 2e-6):  # a win and a loss
+        p = predict(
+            cfg, bw, "norms", costs=costs, l2_Bps=float("inf"),
+            cublas_eff={"w_qkv": gemv_alone_eff(cfg, "w_qkv", t_engine, bw, costs), "w_gate_up": 0.9},
+            fused_eff={"w_qkv": matrix_bytes(cfg, "w_qkv") / bw / t_fused},
+        )  # fmt: skip
+        assert p.matrices[0].saved_s == pytest.approx(t_engine - t_fused, rel=1e-9, abs=1e-12)
+    with pytest.raises(ValueError, match="removed kernels"):
+        gemv_alone_eff(cfg, "w_qkv", 2e-6, bw, costs)
+
+
 def _group_sm90() -> None:
     """Compile the fused GEMV variants for sm_90 (ptxas, no GPU needed); print registers and
     spill bytes per variant from ``cuobjdump -res-usage``."""
