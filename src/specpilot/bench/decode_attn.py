@@ -20,9 +20,8 @@ from typing import Any
 import torch
 
 from specpilot.bench.gpu_hf import prefix_agree
-from specpilot.bench.gpu_suite import _verify_engine
+from specpilot.bench.gpu_suite import _verify_engine, forcing_summary
 from specpilot.engine import Engine, generate
-from specpilot.forcing.check import force_sequence
 from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
 from specpilot.mechanisms.decode_attn import install, uninstall
 from specpilot.mechanisms.decode_attn_cost import ASSUMPTIONS, predict
@@ -80,14 +79,13 @@ def run_e2e(
         model.dense_attention = kernel
         ar_on = generate(Engine(model), [prompt], new_tokens)[0].tokens
         uninstall(model)
-        forced = {name: force_sequence(model, name, prompt, toks)  # the stock forward: no kernel
-                  for name, toks in (("off", ar_off), ("on", ar_on))}  # fmt: skip
         row: dict[str, Any] = {
             "ar_tokens": len(ar_off),
             "ar_tokens_equal": ar_off == ar_on,
             "ar_same_prefix": prefix_agree(ar_off, ar_on),
+            # token forcing under the stock forward, which never uses the kernel
             "forcing": {
-                n: {"mismatches": v.mismatches, "near_ties": v.near_ties} for n, v in forced.items()
+                n: forcing_summary(model, prompt, t) for n, t in (("off", ar_off), ("on", ar_on))
             },
             "widths": {},
         }

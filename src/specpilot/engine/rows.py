@@ -81,10 +81,11 @@ class RowState:
         self.tokens.zero_()
         self.committed_len.fill_(IDLE_LEN)
         self.prev_committed.fill_(IDLE_LEN)
-        for t in (self.pending, self.active, self.cycle, self.drafts, self.draft_lens):
+        for t in (
+            self.pending, self.active, self.cycle, self.drafts, self.draft_lens, self.accepted,
+            self.halted,
+        ):  # fmt: skip
             t.zero_()
-        self.accepted.zero_()
-        self.halted.zero_()
         self.cut.fill_(cut)
 
     _SMALL = (

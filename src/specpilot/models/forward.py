@@ -395,9 +395,8 @@ class Forward(Generic[NetT]):
         if head is not None:
             h = self.final_hidden(x)[None]  # [1, M, hidden]
             if may_abstain and hasattr(head, "abstain_flag"):
-                if valid is None:
-                    return head.abstaining(h)[0]  # type: ignore[attr-defined]
-                return head.abstaining(h, valid[None])[0]  # type: ignore[attr-defined]
+                rows = None if valid is None else valid[None]  # [1, M]
+                return head.abstaining(h, rows)[0]  # type: ignore[attr-defined]
             return head(h)[0]
         return self.logits(x).argmax(dim=-1)
 
