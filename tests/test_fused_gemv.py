@@ -234,8 +234,8 @@ def test_registry_entry_and_tuner_direction() -> None:
     assert knobs == {
         "matrices": "o_down",
         "max_m": 4,
-        "block_n": 32,
-        "block_k": 512,
+        "block_n": 16,
+        "block_k": 1024,
         "num_warps": 4,
     }
     with pytest.raises(ValueError, match="max_m"):
@@ -365,7 +365,7 @@ def _group_sm90() -> None:
     variants += ((0, False, 1, 4, True), (1, True, 1, 4, True), (2, True, 2, 4, True))  # W12, PTX
     for prologue, has_bias, rows, warps, w12 in variants:
         const = dict(W12=w12, PTX=w12, HAS_BIAS=has_bias, PROLOGUE=prologue, EVEN=True,
-                     ROWS=rows, BLOCK_N=32, BLOCK_K=512, ESC_STEP=16, MAX_SPLIT=16,
+                     ROWS=rows, BLOCK_N=16, BLOCK_K=1024, ESC_STEP=16, MAX_SPLIT=16,
                      INTERPRET=False)  # fmt: skip
         src = ASTSource(_gemv_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})

@@ -10,10 +10,13 @@ Two kernels read the W12 v3 layout (``mechanisms/w12_format.py``):
 
 ``CHOSEN`` maps the largest M of a bucket to its kernel and tiling, plus the fraction of the
 measured copy bandwidth that choice reached on the H200 (``roofline_frac``: the cost model's
-``kernel efficiency`` for W12, ``costmodel/weight_format.py``). ``bench/w12_v3_gpu.py`` prints a
-replacement for this table from its measurements; the values below are its proposal from the H200
-on 2026-12-01 (docs/BENCHMARKS.md, "W12 v3"; the fraction is of the copy bandwidth that script
-measures, so above 1 at M = 1); M above 16 is not measured (``roofline_frac=None``).
+``kernel efficiency`` for W12, ``costmodel/weight_format.py``), against the eager device copy
+(``costmodel.hardware.copy_bandwidth``). The GEMV rows (M <= 2) are the tiling
+``bench/gemv_sweep_gpu.py`` found best over 270 tilings on the H200 (2026-12-02, docs/BENCHMARKS.md,
+"Sixth session": 16 rows × 1024 columns, 4 warps, within 0-7% of each shape's own best); the
+``dot`` rows are ``bench/w12_v3_gpu.py``'s proposal of 2026-12-01, their fractions rescaled from
+that script's graph-captured copy probe (2.71 TB/s) to the eager one (4.29 TB/s), not
+re-measured. M above 16 is not measured (``roofline_frac=None``).
 """
 
 from __future__ import annotations
@@ -51,24 +54,14 @@ class KernelChoice:
 
 
 CHOSEN: tuple[tuple[int, KernelChoice], ...] = (
-    (
-        1,
-        KernelChoice(
-            "gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4), roofline_frac=1.085
-        ),
-    ),
-    (
-        2,
-        KernelChoice(
-            "gemv", gemv=GemvConfig(block_n=32, block_k=512, num_warps=4), roofline_frac=0.810
-        ),
-    ),
+    (1, KernelChoice("gemv", gemv=GemvConfig(block_n=16, block_k=1024), roofline_frac=0.767)),
+    (2, KernelChoice("gemv", gemv=GemvConfig(block_n=16, block_k=1024), roofline_frac=0.574)),
     (
         4,
         KernelChoice(
             "dot",
             dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
-            roofline_frac=0.593,
+            roofline_frac=0.375,
         ),
     ),
     (
@@ -76,7 +69,7 @@ CHOSEN: tuple[tuple[int, KernelChoice], ...] = (
         KernelChoice(
             "dot",
             dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
-            roofline_frac=0.591,
+            roofline_frac=0.374,
         ),
     ),
     (
@@ -84,7 +77,7 @@ CHOSEN: tuple[tuple[int, KernelChoice], ...] = (
         KernelChoice(
             "dot",
             dot=GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
-            roofline_frac=0.567,
+            roofline_frac=0.358,
         ),
     ),
     (64, KernelChoice("dot", dot=GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3))),

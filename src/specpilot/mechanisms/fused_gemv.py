@@ -63,9 +63,10 @@ MATRIX_SETS = {
 }
 """Knob ``matrices``: which GEMVs run fused (qkv, gate_up: the norm before them; down: SiLU·mul
 and the residual; o: the residual). ``o_down``: the residual epilogues and SiLU·mul only, the
-norms stay separate kernels. ``qkv_o`` (the default): the two GEMVs that beat cuBLAS plus their
-separate kernels at M = 1 on the H200 (x1.04 and x1.11); fused gate_up and down were slower
-(x0.88, x0.95: the Triton GEMV streams those wide matrices below cuBLAS's bandwidth)."""
+norms stay separate kernels. ``qkv_o`` (the default): the two GEMVs that clearly beat cuBLAS plus
+their separate kernels at M = 1 on the H200 with the 16 x 1024 tiling (x1.14 and x1.17;
+bench/gemv_sweep_gpu.py, 2026-12-02); fused gate_up (x1.01, inside the spread) and down (x0.99) were
+even, and every fused GEMV lost at M = 2 and 4."""
 
 
 def _rows(x: Tensor) -> Tensor:  # [M, N]: unit column stride, as the epilogue reads it
@@ -156,8 +157,8 @@ def install(
     model: Transformer,
     matrices: str = "all",
     max_m: int = 1,
-    block_n: int = 32,
-    block_k: int = 512,
+    block_n: int = 16,
+    block_k: int = 1024,
     num_warps: int = 4,
 ) -> list[FusedLinears]:
     """Give every decoder layer of ``model`` its fused GEMVs; returns them, one per layer."""
@@ -221,8 +222,9 @@ MECHANISM = Mechanism(
             "SiLU·mul and the residual, o the residual",
         ),
         Knob("max_m", 1, choices=(1, 2, 4), doc="rows up to which the fused GEMVs run"),
-        Knob("block_n", 32, choices=(16, 32, 64), doc="weight rows per program"),
-        Knob("block_k", 512, choices=(256, 512, 1024), doc="columns per K step"),
+        # 16 x 1024 with 4 warps: the best tiling over the 8B matrices in bench/gemv_sweep_gpu.py
+        Knob("block_n", 16, choices=(16, 32, 64), doc="weight rows per program"),
+        Knob("block_k", 1024, choices=(256, 512, 1024), doc="columns per K step"),
         Knob("num_warps", 4, choices=(2, 4, 8), doc="warps per program"),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),
