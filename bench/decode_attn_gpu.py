@@ -52,17 +52,22 @@ from specpilot.timing import interleaved_rounds, spread
 BUCKET = 128
 ROTATE_BYTES = 256 << 20
 VARIANTS_W1 = {
-    "auto": DecodeAttnConfig(),
-    "kps128": DecodeAttnConfig(keys_per_split=128),
-    "kps256": DecodeAttnConfig(keys_per_split=256),
-    "kps512": DecodeAttnConfig(keys_per_split=512),
-    "bn64": DecodeAttnConfig(block_n=64),
+    "auto": DecodeAttnConfig(),  # block_n and warps by query rows (decode_attn_plan.tiling_for_rows)
+    "bn32w4": DecodeAttnConfig(block_n=32, num_warps=4),  # the default before 2026-12-02
+    "kps128": DecodeAttnConfig(keys_per_split=128, block_n=32, num_warps=4),
+    "kps256": DecodeAttnConfig(keys_per_split=256, block_n=32, num_warps=4),
+    "kps512": DecodeAttnConfig(keys_per_split=512, block_n=32, num_warps=4),
+    "bn64": DecodeAttnConfig(block_n=64, num_warps=4),
     "bn64w8": DecodeAttnConfig(block_n=64, num_warps=8),
-    "w2": DecodeAttnConfig(num_warps=2),
-    "w8": DecodeAttnConfig(num_warps=8),
+    "w2": DecodeAttnConfig(block_n=32, num_warps=2),
+    "w8": DecodeAttnConfig(block_n=32, num_warps=8),
+    "w2kps128": DecodeAttnConfig(block_n=32, num_warps=2, keys_per_split=128),
+    "w2bn64": DecodeAttnConfig(block_n=64, num_warps=2),
+    "w2bn64kps128": DecodeAttnConfig(block_n=64, num_warps=2, keys_per_split=128),
+    "bn64w8kps256": DecodeAttnConfig(block_n=64, num_warps=8, keys_per_split=256),
 }
 """Knob settings timed at W = 1 (each one is expressible by the mechanism's knobs)."""
-VARIANTS_WIDE = ("auto", "kps128", "kps256", "kps512", "w8", "bn64w8")
+VARIANTS_WIDE = ("auto", "bn32w4", "kps128", "kps256", "w8", "bn64w8", "bn64w8kps256")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -40,7 +40,7 @@ HERE = str(Path(__file__).resolve())
 def test_split_plan_covers_the_bucket(attn_len: int, rows: int) -> None:
     for cfg in (DecodeAttnConfig(), DecodeAttnConfig(keys_per_split=96, block_n=32)):
         splits, split_len = split_plan(attn_len, 1, 8, rows, cfg, 132)
-        assert split_len % cfg.block_n == 0 and 1 <= splits <= MAX_SPLITS
+        assert split_len % cfg.for_rows(rows).block_n == 0 and 1 <= splits <= MAX_SPLITS
         assert (splits - 1) * split_len < attn_len <= splits * split_len  # no empty split
         if cfg.keys_per_split and attn_len <= MAX_SPLITS * 96:
             assert split_len == 96
@@ -51,10 +51,22 @@ def test_split_plan_covers_the_bucket(attn_len: int, rows: int) -> None:
 def test_split_plan_fills_the_gpu_at_batch_one() -> None:
     cfg = DecodeAttnConfig()
     assert split_plan(4096, 1, 8, 4, cfg, 132) == (32, 128)  # 256 programs for 132 SMs
-    assert split_plan(384, 1, 8, 4, cfg, 132) == (12, 32)
+    assert split_plan(384, 1, 8, 4, cfg, 132) == (6, 64)  # an AR step steps 64 keys at a time
+    assert split_plan(384, 1, 8, 64, cfg, 132) == (2, 256)  # 64 rows: >= 4 x 64 keys a split
     assert split_plan(4096, 16, 8, 4, cfg, 132)[0] == 3  # 16 sequences: 384 programs
     with pytest.raises(ValueError, match="block_n"):
         DecodeAttnConfig(block_n=48)
+
+
+def test_automatic_tiling_follows_the_query_rows() -> None:
+    auto = DecodeAttnConfig()
+    assert (auto.for_rows(4).block_n, auto.for_rows(4).num_warps) == (64, 2)  # AR, group 4
+    assert (auto.for_rows(32).block_n, auto.for_rows(32).num_warps) == (64, 8)  # width-8 verify
+    assert (auto.for_rows(64).block_n, auto.for_rows(64).num_warps) == (32, 4)
+    given = DecodeAttnConfig(block_n=16, num_warps=4)
+    assert given.for_rows(4) is given  # what the caller set is kept
+    half = DecodeAttnConfig(num_warps=4).for_rows(4)
+    assert (half.block_n, half.num_warps) == (64, 4)
 
 
 def test_dense_layouts_carry_their_lengths() -> None:
@@ -252,7 +264,7 @@ def test_registry_entry_and_tuner_direction() -> None:
     assert mech.component == "attn_kv" and mech.plug_point == "kernel_choice"
     assert mech.applies.allows("cuda", "bf16", "none", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "single", "llama")
-    assert mech.resolve_knobs({"warps": 8}) == {"keys_per_split": 0, "block_n": 32, "warps": 8}
+    assert mech.resolve_knobs({"warps": 8}) == {"keys_per_split": 0, "block_n": 0, "warps": 8}
     with pytest.raises(ValueError, match="block_n"):
         mech.resolve_knobs({"block_n": 48})
     refs = {r.name: r.status for r in mechanisms_for("attn_kv")}
@@ -280,7 +292,7 @@ def test_cost_model() -> None:
     p = predict(cfg, [300], 1, 384, bw, launch, sms)
     assert p.split_kv.launches == 1 and p.sdpa.launches == 2 and not p.sdpa_measured
     assert p.split_kv.bytes >= 301 * kv_row and p.sdpa.bytes >= 384 * kv_row
-    assert p.split_kv.programs == 8 * 10 and p.sdpa.programs == 8  # 10 splits of 32 keys work
+    assert p.split_kv.programs == 8 * 5 and p.sdpa.programs == 8  # 5 splits of 64 keys work
     assert p.saved_s > 0 and p.speedup(4.9e-3) > 1
     # a longer bucket costs SDPA and not the kernel (it reads only the true length)
     longer = predict(cfg, [300], 1, 1024, bw, launch, sms)

@@ -238,6 +238,7 @@ def decode_attention(
         q = q.contiguous()
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     g = rows // width
+    cfg = cfg.for_rows(rows)
     bm, bd = block_m(rows), block_d(d)
     splits, split_len = split_plan(attn_len, b, hkv, rows, cfg, num_sms(q.device))
     out = torch.empty(b * width, hkv * rows // width * d, dtype=q.dtype, device=q.device)

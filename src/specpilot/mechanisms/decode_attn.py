@@ -17,7 +17,8 @@ chain verify, draft models and block drafters over the target; causal or not) of
 ``MAX_ROWS`` query rows per sequence (a wider prefill chunk is declined: SDPA). Packed (ragged,
 tree) layouts and layouts with a mask of their own keep SDPA, and the stock forward that token
 forcing trusts (torch reference ops) never uses the kernel. Knobs: ``keys_per_split`` (0: about
-two programs per SM), ``block_n`` (keys per inner step), ``warps``.
+two programs per SM), ``block_n`` (keys per inner step), ``warps`` (0: both by the launch's query
+rows, ``kernels/decode_attn_plan.tiling_for_rows``).
 
 Why it is lossless: every query row sees exactly the keys the layout's mask lets it see
 (``< start + j + 1``, clipped to the attention length) and computes the same softmax(q·kᵀ/√D)·v
@@ -86,7 +87,7 @@ class SplitKVAttention:
 
 
 def install(
-    model: Transformer, keys_per_split: int = 0, block_n: int = 32, warps: int = 4
+    model: Transformer, keys_per_split: int = 0, block_n: int = 0, warps: int = 0
 ) -> SplitKVAttention:
     """Put the split-KV kernel in ``model.dense_attention``; returns it (``uninstall`` undoes)."""
     from specpilot.kernels import triton_usable
@@ -120,7 +121,7 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     split = f"{c.keys_per_split} keys" if c.keys_per_split else "auto"
     build.notes.append(
         f"split-kv: dense attention by split-KV flash decoding ({split} per split, "
-        f"{c.block_n} keys per step, {c.num_warps} warps)"
+        f"{c.block_n or 'auto'} keys per step, {c.num_warps or 'auto'} warps)"
     )
 
 
@@ -143,8 +144,13 @@ MECHANISM = Mechanism(
             choices=(0, 64, 128, 256, 512, 1024),
             doc="keys per split (0: enough splits for about two programs per SM)",
         ),
-        Knob("block_n", 32, choices=(16, 32, 64, 128), doc="keys per inner step of a program"),
-        Knob("warps", 4, choices=(2, 4, 8), doc="warps per program"),
+        Knob(
+            "block_n",
+            0,
+            choices=(0, 16, 32, 64, 128),
+            doc="keys per inner step of a program (0: by query rows, as measured on the H200)",
+        ),
+        Knob("warps", 0, choices=(0, 2, 4, 8), doc="warps per program (0: by query rows)"),
     ),
     applies=Applicability(devices=("cuda",)),
     summary="flash-decoding attention split over the keys, reading only each row's true length",
