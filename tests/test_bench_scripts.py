@@ -116,3 +116,38 @@ def test_two_level_graph_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None
             assert arms[name]["predicted"]["tau_two"] > arms["one-level"]["tau"]
             assert arms[name]["cheap_counts"]["rows"] > 0
     assert "simulated acceptance" in saved["label"]
+
+
+def _load_script(name: str):  # bench/<name>.py as a module
+    import importlib.util as iu
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = iu.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ar_stack_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
+    """Every arm built by build_engine over its own model copy, token-forced, timed."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = _load_script("ar_stack_gpu")
+    args = ["ar_stack_gpu.py", "--out", str(tmp_path), "--tiny", "--rounds", "2", "--context", "40"]
+    monkeypatch.setattr(sys, "argv", args)
+    mod.main()
+    saved = json.loads((tmp_path / "ar_stack_gpu.json").read_text())
+    assert set(saved["arms"]) == set(mod.ARMS)
+    for arm in saved["arms"].values():
+        assert arm["forcing"]["ok"] and arm["forcing"]["matches"] == 32
+        assert arm["step_s"]["n"] == 2 and arm["decode_tok_s"]["median"] > 0
+
+
+def test_gemv_sweep_grid_keys_round_trip(monkeypatch) -> None:
+    """The sweep's tiling names parse back to the same tiling (the JSON and the workers use them)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the script sets without a GPU; undone after
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    mod = _load_script("gemv_sweep_gpu")
+    grid = mod.grid(tiny=False)
+    assert len(grid) == len({mod.key(c) for c in grid}) == 270
+    assert all(mod.from_key(mod.key(c)) == c for c in grid)
