@@ -300,6 +300,9 @@ def test_kernel_table_covers_every_m() -> None:
         choice_for(8, bad)
     with pytest.raises(ValueError, match="exactly"):
         KernelChoice("dot")
+    one = choice_for(1)  # a shape with a measured tiling of its own, and one without
+    assert one.gemv_for(4096, 14336) != one.gemv and one.gemv_for(4096, 4096) == one.gemv
+    assert choice_for(16).gemv_for(4096, 14336) is None  # the tl.dot bucket
 
 
 def test_registered() -> None:

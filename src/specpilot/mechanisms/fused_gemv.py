@@ -117,10 +117,10 @@ class FusedLinears:
 
         if not isinstance(fn, W12Linear) or rows > fn.max_m:
             return None
-        choice = choice_for(rows)
-        if choice.gemv is None:
+        gemv = choice_for(rows).gemv_for(*fn.w12.shape)
+        if gemv is None:
             return None
-        return fn.w12, fn.counters, choice.gemv, fn.prmt
+        return fn.w12, fn.counters, gemv, fn.prmt
 
     def takes(self, name: str, rows: int) -> bool:
         if name not in self.weights or not 1 <= rows <= self.max_m:
