@@ -5,7 +5,9 @@ Every arm is an engine from ``build_engine`` (what ``generate``, ``bench``, ``co
 ``serve`` build) over its own copy of one seeded, peaked Llama-3-8B-shaped bf16 target (the
 mechanisms edit the model they are applied to, so arms never share one): ``stock`` (no
 mechanism), then ``split-kv``, ``split-kv + fused-gemv``, ``split-kv + w12`` and
-``split-kv + w12 + fused-gemv``, each mechanism at its registry defaults (``--arms`` picks).
+``split-kv + w12 + fused-gemv``, each mechanism at its registry defaults (``fused-gemv`` launches
+its bf16 GEMVs with programmatic dependent launch), and two more: ``fused-gemv`` without it and W12
+with it (``--arms`` picks).
 
 1. Lossless: 32 greedy tokens of every arm, token-forced against the stock forward (which no
    mechanism touches): mismatches must be 0; tokens equal to the stock arm's are reported.
@@ -53,14 +55,20 @@ ARMS: dict[str, dict[str, dict[str, Any]]] = {
     "split-kv+fused": {"split-kv": {}, "fused-gemv": {}},
     "split-kv+w12": {"split-kv": {}, "w12": {}},
     "split-kv+w12+fused": {"split-kv": {}, "w12": {}, "fused-gemv": {}},
+    "split-kv+fused-no-pdl": {"split-kv": {}, "fused-gemv": {"pdl": False}},
+    "split-kv+w12-pdl+fused": {"split-kv": {}, "w12": {"pdl": True}, "fused-gemv": {}},
 }
+DEFAULT_ARMS = ("stock", "split-kv", "split-kv+fused", "split-kv+w12", "split-kv+w12+fused")
+"""What runs without ``--arms`` (every arm holds its own 16 GB copy of the 8B weights)."""
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU")
-    ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names")
+    ap.add_argument(
+        "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ARMS)}"
+    )
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)

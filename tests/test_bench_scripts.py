@@ -137,7 +137,7 @@ def test_ar_stack_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(sys, "argv", args)
     mod.main()
     saved = json.loads((tmp_path / "ar_stack_gpu.json").read_text())
-    assert set(saved["arms"]) == set(mod.ARMS)
+    assert set(saved["arms"]) == set(mod.DEFAULT_ARMS)
     for arm in saved["arms"].values():
         assert arm["forcing"]["ok"] and arm["forcing"]["matches"] == 32
         assert arm["step_s"]["n"] == 2 and arm["decode_tok_s"]["median"] > 0

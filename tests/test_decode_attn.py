@@ -154,7 +154,7 @@ def test_kernel_compiles_for_hopper() -> None:
     for elt, w, dot_f32 in (("bf16", 1, False), ("fp32", 16, True)):
         consts = dict(W=w, G=4, D=128, CAUSAL=True, BLOCK_M=max(16, 4 * w), BLOCK_N=64,
                       BLOCK_D=128, RM=4 * w, SC=max(1, 8 // w), DOT_F32=dot_f32,
-                      OUT_BF16=elt == "bf16", INTERPRET=False)  # fmt: skip
+                      OUT_BF16=elt == "bf16", INTERPRET=False, PDL=True)  # fmt: skip
         ptrs = {n: f"*{elt}" for n in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
         ptrs |= {"start_ptr": "*i64", "part_ptr": "*fp32", "stat_ptr": "*fp32", "count_ptr": "*i32"}
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
@@ -169,6 +169,7 @@ def test_kernel_compiles_for_hopper() -> None:
             pytest.skip(f"cannot compile for sm_90 here: {e}")
         ptx = kernel.asm["ptx"]
         assert "atom" in ptx and (dot_f32 or "mma" in ptx), elt
+        assert "griddepcontrol.launch_dependents" in ptx, elt  # kernels/pdl.py's trigger
 
 
 def test_engine_interpreted() -> None:

@@ -237,6 +237,7 @@ def test_registry_entry_and_tuner_direction() -> None:
         "block_n": 16,
         "block_k": 1024,
         "num_warps": 4,
+        "pdl": True,
     }
     with pytest.raises(ValueError, match="max_m"):
         mech.resolve_knobs({"max_m": 3})
@@ -366,7 +367,7 @@ def _group_sm90() -> None:
     for prologue, has_bias, rows, warps, w12 in variants:
         const = dict(W12=w12, PTX=w12, HAS_BIAS=has_bias, PROLOGUE=prologue, EVEN=True,
                      ROWS=rows, BLOCK_N=16, BLOCK_K=1024, ESC_STEP=16, MAX_SPLIT=16,
-                     INTERPRET=False)  # fmt: skip
+                     INTERPRET=False, PDL_TRIGGER=True, PDL_WAIT=has_bias)  # fmt: skip
         src = ASTSource(_gemv_kernel, sig | dict.fromkeys(const, "constexpr"), constexprs=const)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -453,6 +454,51 @@ def test_cuda_graph_engine_with_fused_gemvs_equals_without() -> None:
     assert engine.runner.captures > 0 and sum(f.calls for f in fused) > 0
     spec = tokens(generate(Engine(target, NgramDrafter(k=3)), prompts[:1], 24))
     assert spec == want[:1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch: sm_90")
+def test_cuda_pdl_gemvs_equal_plain_launches() -> None:
+    """With programmatic dependent launch (kernels/pdl.py) every GEMV output is bit for bit the
+    plain launch's (the same sums in the same order), after a kernel that writes its input; and
+    the engine from CUDA graphs with W12 and the fused GEMVs under PDL gives the tokens of the
+    engine without either."""
+    from engine_cases import tokens
+    from specpilot.engine import Engine, generate
+    from specpilot.kernels import pdl
+    from specpilot.kernels.decode_triton import rms_norm
+    from specpilot.kernels.fused_gemv import residual_gemv
+    from specpilot.kernels.gemm_common import counter_buffer
+    from specpilot.kernels.w12_gemv import GemvConfig
+    from specpilot.mechanisms.fused_gemv import install
+    from specpilot.mechanisms.w12 import install as install_w12
+    from specpilot.models.transformer import Transformer
+
+    if not pdl.supported(torch.device("cuda")):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    w = (0.05 * torch.randn(512, 1024, generator=g, device=dev)).to(torch.bfloat16)
+    nw = torch.ones(1024, dtype=torch.bfloat16, device=dev)
+    c = counter_buffer(512, dev)
+    for m in (1, 2, 4):
+        x = torch.randn(m, 1024, generator=g, device=dev).to(torch.bfloat16)
+        r = torch.randn(m, 512, generator=g, device=dev).to(torch.bfloat16)
+        ys = []
+        for pdl_on in (False, True):  # the norm kernel writes what the GEMV reads right after
+            cfg = GemvConfig(block_n=16, block_k=256, pdl=pdl_on)
+            ys.append(residual_gemv(rms_norm(x, nw, 1e-5), w, c, r, cfg=cfg))
+        torch.cuda.synchronize()
+        assert torch.equal(ys[0], ys[1]), m
+    cfg_model = tiny_config(arch="qwen2", vocab=113, layers=3)
+    target = Transformer(cfg_model, dtype=torch.bfloat16, device="cuda")
+    target.init_random(0, std=0.15)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3]]
+    want = tokens(generate(Engine(target), prompts, 24))
+    install_w12(target, layers="mlp", max_m=4, pdl=True)
+    fused = install(target, "qkv_o", max_m=4, pdl=True)
+    engine = Engine(target)
+    assert tokens(generate(engine, prompts, 24)) == want
+    assert engine.runner.captures > 0 and sum(f.calls for f in fused) > 0
 
 
 if __name__ == "__main__":

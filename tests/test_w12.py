@@ -312,7 +312,12 @@ def test_registered() -> None:
     assert mech.plug_point == "linear_weights"
     assert mech.applies.allows("cuda", "bf16", "ngram", "single", "llama")
     assert not mech.applies.allows("cpu", "fp32", "ngram", "single", "llama")
-    assert mech.resolve_knobs({}) == {"layers": "all", "max_m": 1, "decoder": "prmt"}
+    assert mech.resolve_knobs({}) == {
+        "layers": "all",
+        "max_m": 1,
+        "decoder": "prmt",
+        "pdl": False,
+    }
 
 
 # ---------------------------------------------------------------- groups run in the subprocess

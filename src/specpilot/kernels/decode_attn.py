@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specpilot.kernels import pdl
 from specpilot.kernels.decode_attn_plan import (
     DEFAULT_CONFIG,
     DecodeAttnConfig,
@@ -133,8 +134,9 @@ def _decode_attn_kernel(
     W: tl.constexpr, G: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     RM: tl.constexpr, SC: tl.constexpr,
-    DOT_F32: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_F32: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl.trigger(PDL)  # the o GEMV after this kernel may start streaming (kernels/pdl.py)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -260,7 +262,8 @@ def decode_attention(
         W=width, G=g, D=d, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         RM=rm, SC=sc,
         DOT_F32=interpret or q.dtype == torch.float32, OUT_BF16=q.dtype == torch.bfloat16,
-        INTERPRET=interpret, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INTERPRET=interpret, PDL=pdl.supported(q.device), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
 

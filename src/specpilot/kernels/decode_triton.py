@@ -13,9 +13,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specpilot.kernels import pdl
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_row_stride, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, x_row_stride, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.trigger(PDL)  # a dependent GEMV may start streaming its weights now (kernels/pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -36,8 +41,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(m,)](
-        x, x.stride(0), weight, out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8
-    )
+        x, x.stride(0), weight, out, n, eps, BLOCK=triton.next_power_of_2(n),
+        PDL=pdl.supported(x.device), num_warps=8,
+    )  # fmt: skip
     return out
 
 
@@ -67,7 +73,9 @@ def _rope_qkv_kernel(
     HAS_NORM: tl.constexpr,
     PACKED: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.trigger(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     half: tl.constexpr = D // 2
@@ -174,6 +182,7 @@ def _launch_rope(
         HAS_NORM=has_norm,
         PACKED=packed,
         HAS_SLOTS=has_slots,
+        PDL=pdl.supported(qkv.device),
         num_warps=1,
     )
 
@@ -253,7 +262,8 @@ def rope_qkv_write_packed(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.trigger(PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -272,5 +282,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     inter = two_i // 2
     out = torch.empty(m, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(m, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(m, triton.cdiv(inter, block))](
+        gate_up, out, inter, BLOCK=block, PDL=pdl.supported(gate_up.device), num_warps=4
+    )
     return out

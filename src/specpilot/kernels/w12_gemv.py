@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specpilot.kernels import pdl
 from specpilot.kernels.gemm_common import (
     MAX_SPLIT_K,
     _bf16_to_f32,
@@ -165,7 +166,10 @@ def _gemv_kernel(
     ESC_STEP: tl.constexpr,
     MAX_SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr,  # let a dependent kernel launched with PDL start (kernels/pdl.py)
+    PDL_WAIT: tl.constexpr,  # launched with PDL: the first weights stream before the wait
 ):
+    pdl.trigger(PDL_TRIGGER)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -178,6 +182,11 @@ def _gemv_kernel(
     lo = (jw // 8) * 16 + (jw % 8)  # [BW] sm (or bf16) word of the first half, from k0 / 4
     hi = lo + 8
 
+    if PDL_WAIT:  # only immutable weights are read before the previous kernel has completed
+        a0, b0, c0 = _load_step(
+            k_lo, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words, W12, EVEN
+        )
+        pdl.wait(PDL_WAIT)
     inv = tl.zeros((ROWS,), dtype=tl.float32)  # each row's 1 / RMS (PROLOGUE == 1)
     inv0 = 0.0
     inv1 = 0.0
@@ -210,9 +219,18 @@ def _gemv_kernel(
     acc2 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        a, b, c = _load_step(
-            k0, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words, W12, EVEN
-        )
+        if PDL_WAIT:
+            if k0 == k_lo:
+                a, b, c = a0, b0, c0
+            else:
+                a, b, c = _load_step(
+                    k0, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words, W12,
+                    EVEN,
+                )  # fmt: skip
+        else:
+            a, b, c = _load_step(
+                k0, k_hi, offs_n, n_ok, lo, hi, jw, w_ptr, sm_ptr, codes_ptr, row_words, W12, EVEN
+            )
         if W12:
             if PTX:
                 w0, w1, w2, w3, w4, w5, w6, w7 = decode_words_f32_ptx(a, b, c, base4)
@@ -290,6 +308,9 @@ class GemvConfig:
     num_stages: int = 1
     split_k: int = 0
     """Number of K splits; 0: enough to give every SM about two programs."""
+    pdl: bool = False
+    """Launch with programmatic dependent launch (``kernels/pdl.py``: sm_90+, else ignored): the
+    first K step's weights stream while the previous kernel drains."""
 
     def __post_init__(self) -> None:
         check_tiling(self.block_n, self.block_k, GROUP)
@@ -364,6 +385,8 @@ def _launch(
     )
     even = n % cfg.block_n == 0 and k % k_split == 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    can_pdl = pdl.supported(x.device)
+    wait = cfg.pdl and can_pdl
     if w12 is not None:
         if w12.layout != "v3":
             raise ValueError("the W12 GEMV reads layout v3")
@@ -390,7 +413,8 @@ def _launch(
         PROLOGUE=prologue, EVEN=even,
         ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         ESC_STEP=ESC_STEP, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL_TRIGGER=can_pdl, PDL_WAIT=wait, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if wait else {}),
     )  # fmt: skip
     return y
 

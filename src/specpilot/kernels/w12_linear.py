@@ -21,7 +21,7 @@ re-measured. M above 16 is not measured (``roofline_frac=None``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -116,11 +116,14 @@ def w12_linear(
     counters: Tensor,  # from gemm_common.counter_buffer(N)
     bias: Tensor | None = None,  # [N] bf16
     ptx: bool = True,
+    pdl: bool = False,
 ) -> Tensor:  # [M, N] bf16
-    """``x @ decode(w)^T (+ bias)`` with the kernel ``CHOSEN`` names for ``M``."""
+    """``x @ decode(w)^T (+ bias)`` with the kernel ``CHOSEN`` names for ``M`` (``pdl``: the
+    GEMV with programmatic dependent launch, ``kernels/pdl.py``)."""
     c = choice_for(x.shape[0])
-    if c.kernel == "gemv":
-        return w12_gemv(x, w, counters, bias, cfg=c.gemv_for(*w.shape), ptx=ptx)
+    g = c.gemv_for(*w.shape)
+    if g is not None:
+        return w12_gemv(x, w, counters, bias, cfg=replace(g, pdl=pdl) if pdl else g, ptx=ptx)
     return w12_matmul(x, w, counters, bias, cfg=c.dot, prmt=ptx)
 
 

@@ -38,6 +38,7 @@ token-forcing gate counts every near-tie and fails on a mismatch. The stock forw
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -120,6 +121,8 @@ class FusedLinears:
         gemv = choice_for(rows).gemv_for(*fn.w12.shape)
         if gemv is None:
             return None
+        if fn.pdl:  # W12's own knob: its GEMV lost with PDL on the H200 (docs/BENCHMARKS.md)
+            gemv = replace(gemv, pdl=True)
         return fn.w12, fn.counters, gemv, fn.prmt
 
     def takes(self, name: str, rows: int) -> bool:
@@ -160,6 +163,7 @@ def install(
     block_n: int = 16,
     block_k: int = 1024,
     num_warps: int = 4,
+    pdl: bool = True,
 ) -> list[FusedLinears]:
     """Give every decoder layer of ``model`` its fused GEMVs; returns them, one per layer."""
     from specpilot.kernels.w12_gemv import MAX_ROWS, GemvConfig
@@ -174,7 +178,7 @@ def install(
     if not 1 <= max_m <= MAX_ROWS:
         raise SpecPilotError(f"max_m must be 1..{MAX_ROWS} (the GEMV's rows), got {max_m}.")
     try:
-        gemv = GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps)
+        gemv = GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, pdl=pdl)
     except ValueError as e:
         raise SpecPilotError(f"fused_gemv tiling: {e}.") from e
     out = []
@@ -194,6 +198,7 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
         block_n=knobs["block_n"],
         block_k=knobs["block_k"],
         num_warps=knobs["num_warps"],
+        pdl=knobs["pdl"],
     )
     build.notes.append(
         f"fused_gemv: {knobs['matrices']} for M <= {knobs['max_m']} "
@@ -226,6 +231,14 @@ MECHANISM = Mechanism(
         Knob("block_n", 16, choices=(16, 32, 64), doc="weight rows per program"),
         Knob("block_k", 1024, choices=(256, 512, 1024), doc="columns per K step"),
         Knob("num_warps", 4, choices=(2, 4, 8), doc="warps per program"),
+        Knob(
+            "pdl",
+            True,  # x1.025 on the 8B AR step with split-kv on the H200 (docs/BENCHMARKS.md)
+            choices=(False, True),
+            doc="launch the bf16 fused GEMVs with programmatic dependent launch (sm_90+; ignored "
+            "elsewhere): the first weights stream while the kernel before them drains "
+            "(kernels/pdl.py); W12's matrices follow W12's own pdl knob",
+        ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),
     summary="RMSNorm / SiLU·mul / residual fused into the decode GEMVs (fewer kernels per layer)",

@@ -64,7 +64,7 @@ LAYER_SETS = {
 class W12Linear:
     """``fn(x [.., K], bias [N] | None) -> [.., N]``: F.linear over a W12 copy of ``weight``."""
 
-    def __init__(self, weight: Tensor, max_m: int, prmt: bool) -> None:
+    def __init__(self, weight: Tensor, max_m: int, prmt: bool, pdl: bool = False) -> None:
         from specpilot.kernels.gemm_common import counter_buffer
 
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
@@ -75,6 +75,7 @@ class W12Linear:
             raise SpecPilotError("W12 round trip changed a weight; refusing to install it.")
         self.max_m = max_m
         self.prmt = prmt
+        self.pdl = pdl  # the GEMV launched with programmatic dependent launch (kernels/pdl.py)
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -86,12 +87,16 @@ class W12Linear:
             return F.linear(x, self.weight, bias)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = w12_linear(x2, self.w12, self.counters, bias, ptx=self.prmt)  # [M, N]
+        y = w12_linear(x2, self.w12, self.counters, bias, ptx=self.prmt, pdl=self.pdl)  # [M, N]
         return y.view(*x.shape[:-1], n)
 
 
 def install(
-    model: Transformer, layers: str = "all", max_m: int = 64, decoder: str = "prmt"
+    model: Transformer,
+    layers: str = "all",
+    max_m: int = 64,
+    decoder: str = "prmt",
+    pdl: bool = False,
 ) -> dict[str, float]:
     """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts."""
     from specpilot.models.transformer import DecoderLayer
@@ -105,7 +110,7 @@ def install(
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         for name in names:
-            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt")
+            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt", pdl)
             layer.linear_fns[name] = lin
             n, k = lin.w12.shape
             stored_bits += 8.0 * lin.w12.nbytes()
@@ -123,6 +128,7 @@ def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
         layers=knobs["layers"],
         max_m=knobs["max_m"],
         decoder=knobs["decoder"],
+        pdl=knobs["pdl"],
     )
     build.notes.append(
         f"w12: {stats['bits_per_weight']:.3f} bits/weight, {100 * stats['escape_frac']:.4f}% escapes"
@@ -160,6 +166,14 @@ MECHANISM = Mechanism(
             "prmt",
             choices=("prmt", "ops"),
             doc="decode with inline PTX (byte permute + rotate), or with plain Triton integer ops",
+        ),
+        Knob(
+            "pdl",
+            False,
+            choices=(False, True),
+            doc="launch the W12 GEMV with programmatic dependent launch (sm_90+): its first "
+            "weights stream while the kernel before it drains (kernels/pdl.py); off by default: "
+            "x0.92 on the 8B AR step on the H200 (docs/BENCHMARKS.md)",
         ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),
