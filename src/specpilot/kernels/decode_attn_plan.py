@@ -57,7 +57,7 @@ def tiling_for_rows(rows: int) -> tuple[int, int]:
     """``(block_n, num_warps)`` the H200 measured best at ``rows = G*W`` query rows
     (``bench/decode_attn_gpu.py``, docs/BENCHMARKS.md, sixth session, contexts 128-4096): 4 rows
     (an AR step at GQA group 4): 64 keys, 2 warps (1.3-1.8x the former 32 keys / 4 warps); 32
-    rows (a width-8 verify): 64 keys, 8 warps (x1.10-1.16); 64 rows: 32 keys, 4 warps (64 / 8 was
+    rows (a width-8 verify): 64 keys, 8 warps (x1.05-1.16); 64 rows: 32 keys, 4 warps (64 / 8 was
     slower there). Rows in between take the next measured width's tiling (not measured)."""
     if rows <= 4:
         return 64, 2
