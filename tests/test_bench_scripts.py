@@ -143,11 +143,20 @@ def test_ar_stack_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> No
         assert arm["step_s"]["n"] == 2 and arm["decode_tok_s"]["median"] > 0
 
 
-def test_gemv_sweep_grid_keys_round_trip(monkeypatch) -> None:
-    """The sweep's tiling names parse back to the same tiling (the JSON and the workers use them)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what the script sets without a GPU; undone after
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    mod = _load_script("gemv_sweep_gpu")
-    grid = mod.grid(tiny=False)
-    assert len(grid) == len({mod.key(c) for c in grid}) == 270
-    assert all(mod.from_key(mod.key(c)) == c for c in grid)
+def test_gemv_sweep_grid_keys_round_trip() -> None:
+    """The sweep's tiling names parse back to the same tiling (the JSON and the workers use them).
+    In a subprocess: without a GPU the script turns on the Triton interpreter as it imports, which
+    would leave this process's kernels interpreted for the tests after this one."""
+    import os
+    import subprocess
+
+    code = (
+        "import gemv_sweep_gpu as m; g = m.grid(tiny=False); "
+        "assert len(g) == len({m.key(c) for c in g}) == 270; "
+        "assert all(m.from_key(m.key(c)) == c for c in g); print('grid ok')"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT / "bench", env=env, capture_output=True, text=True
+    )
+    assert "grid ok" in out.stdout, out.stderr[-2000:]
