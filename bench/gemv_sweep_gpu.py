@@ -54,7 +54,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fused_gemv_gpu import MATRICES, NORMED, TINY_MATRICES, call, make_inputs
-from w12_gpu import kernel_bench_setup, time_calls
+from w12_gpu import error_ratio, kernel_bench_setup, time_calls
 
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
@@ -144,18 +144,15 @@ class Matrix:
         output for the fused kernels, plus the residual)."""
         inp = self.inp(m)
         y = self.calls(kernel, m, cfg)[0]()
-        a, add = inp["plain"], 0.0
+        a, add = inp["plain"], None
         if kernel in ("fused", "w12f"):
             if self.name in NORMED:
                 a = reference.rms_norm_ref(inp["x"], inp["nw"], 1e-5)
             elif self.name == "w_down":
                 a = reference.silu_mul_ref(inp["x"])
             if self.name not in NORMED:
-                add = inp["res"].double()
-        xd, wd = a.double(), self.w[0].double()
-        z = xd @ wd.T + add
-        bound = 2.0**-8 * z.abs() + self.k * 2.0**-23 * (xd.abs() @ wd.abs().T) + 2.0**-133
-        return float(((y.double() - z).abs() / bound).max())
+                add = inp["res"]
+        return error_ratio(y, a, self.w[0], add)
 
 
 def _compile_tasks(tasks: list[tuple[str, str, int, str]], tiny: bool) -> list[str]:

@@ -166,10 +166,15 @@ def kernel_bench_setup(
     return args, dev, max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write, eager
 
 
-def error_ratio(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
-    """max |y - x@w^T| / bound, the exact product in fp64 (≤ 1 means within the stated bound)."""
+def error_ratio(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None
+) -> float:
+    """max |y - (x@w^T + add)| / bound, the exact result in fp64 (≤ 1 means within the stated
+    bound; ``add [M, N]``: a residual added before the one rounding)."""
     xd, wd = x.double(), w.double()
     z = xd @ wd.T  # [M, N]
+    if add is not None:
+        z = z + add.double()
     k = x.shape[1]
     bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (xd.abs() @ wd.abs().T) + 2.0**-133
     return float(((y.double() - z).abs() / bound).max())
