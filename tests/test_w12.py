@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -302,6 +303,7 @@ def test_kernel_table_covers_every_m() -> None:
         KernelChoice("dot")
     one = choice_for(1)  # a shape with a measured tiling of its own, and one without
     assert one.gemv_for(4096, 14336) != one.gemv and one.gemv_for(4096, 4096) == one.gemv
+    assert one.gemv_for(4096, 4096, pdl=True) == replace(one.gemv, pdl=True)  # PDL on request
     assert choice_for(16).gemv_for(4096, 14336) is None  # the tl.dot bucket
 
 

@@ -47,9 +47,13 @@ class KernelChoice:
     """GEMV tilings for particular ``(N, K)`` weight shapes, where the sweep measured one that
     beats ``gemv`` by more than its noise; other shapes take ``gemv``."""
 
-    def gemv_for(self, n: int, k: int) -> GemvConfig | None:
-        """The GEMV tiling for an ``[N, K]`` weight (None: this bucket runs ``dot``)."""
-        return dict(self.by_shape).get((n, k), self.gemv) if self.gemv is not None else None
+    def gemv_for(self, n: int, k: int, pdl: bool = False) -> GemvConfig | None:
+        """The GEMV tiling for an ``[N, K]`` weight (None: this bucket runs ``dot``), launched
+        with programmatic dependent launch if ``pdl`` (``kernels/pdl.py``)."""
+        if self.gemv is None:
+            return None
+        g = dict(self.by_shape).get((n, k), self.gemv)
+        return replace(g, pdl=True) if pdl else g
 
     def __post_init__(self) -> None:
         if self.kernel not in KERNELS:
@@ -121,9 +125,9 @@ def w12_linear(
     """``x @ decode(w)^T (+ bias)`` with the kernel ``CHOSEN`` names for ``M`` (``pdl``: the
     GEMV with programmatic dependent launch, ``kernels/pdl.py``)."""
     c = choice_for(x.shape[0])
-    g = c.gemv_for(*w.shape)
+    g = c.gemv_for(*w.shape, pdl=pdl)
     if g is not None:
-        return w12_gemv(x, w, counters, bias, cfg=replace(g, pdl=pdl) if pdl else g, ptx=ptx)
+        return w12_gemv(x, w, counters, bias, cfg=g, ptx=ptx)
     return w12_matmul(x, w, counters, bias, cfg=c.dot, prmt=ptx)
 
 

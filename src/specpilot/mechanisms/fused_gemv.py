@@ -38,7 +38,6 @@ token-forcing gate counts every near-tie and fails on a mismatch. The stock forw
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -118,11 +117,10 @@ class FusedLinears:
 
         if not isinstance(fn, W12Linear) or rows > fn.max_m:
             return None
-        gemv = choice_for(rows).gemv_for(*fn.w12.shape)
+        # PDL by W12's own knob: its GEMV lost with it on the H200 (docs/BENCHMARKS.md)
+        gemv = choice_for(rows).gemv_for(*fn.w12.shape, pdl=fn.pdl)
         if gemv is None:
             return None
-        if fn.pdl:  # W12's own knob: its GEMV lost with PDL on the H200 (docs/BENCHMARKS.md)
-            gemv = replace(gemv, pdl=True)
         return fn.w12, fn.counters, gemv, fn.prmt
 
     def takes(self, name: str, rows: int) -> bool:
