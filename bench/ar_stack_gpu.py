@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from specpilot.bench.gpu_suite import forcing_summary
-from specpilot.bench.l2_prefetch import _run_arm
+from specpilot.bench.gpu_suite import forcing_summary, open_row
+from specpilot.bench.l2_prefetch import decode_sample
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
 from specpilot.costmodel.hardware import copy_bandwidth
-from specpilot.engine import Engine, generate
+from specpilot.engine import generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.runtime import LoadedModel
@@ -73,13 +73,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     return ap.parse_args()
-
-
-def _opened(engine: Engine, prompt: list[int]) -> Engine:
-    """``engine`` with one row holding ``prompt`` (for ``time_forward`` at width 1)."""
-    engine.open(1, len(prompt) + 16)
-    engine.prefill([0], [prompt], [0], [len(prompt)], [16])
-    return engine
 
 
 def build_arm(name: str, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
@@ -113,13 +106,13 @@ def run(args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
         out["arms"][n] = {"mechanisms": ARMS[n], "notes": a["notes"],
                           "forcing": forcing_summary(a["model"], prompt, toks),
                           "tokens_equal_to_first_arm": toks == stock_tokens}  # fmt: skip
-        _opened(a["step"], prompt)
+        open_row(a["step"], prompt, 1)
     step: dict[str, list[float]] = {n: [] for n in arms}
     rate: dict[str, list[float]] = {n: [] for n in arms}
     for r in range(args.rounds):  # interleaved, the order reversed every other round
         for n in names if r % 2 == 0 else names[::-1]:
             step[n].append(arms[n]["step"].time_forward(1, 1 if args.tiny else 20))
-            s = _run_arm(arms[n]["decode"], None, prompt, 8 if args.tiny else args.new_tokens)
+            s = decode_sample(arms[n]["decode"], None, prompt, 8 if args.tiny else args.new_tokens)
             rate[n].append(s.tokens / s.seconds)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     bf16_bytes = streamed_weight_bytes(cfg, dtype) + kv_bytes_per_token(cfg, dtype) * args.context

@@ -120,12 +120,17 @@ def _decode_rate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], 
     return res.tokens, steps / engine.times.wall, res
 
 
-def _verify_engine(target: Transformer, prompt: list[int], width: int) -> Engine:
-    """An AR engine whose one row holds ``prompt``, able to time forwards up to ``width``."""
-    eng = Engine(target, verify_width=width)
+def open_row(eng: Engine, prompt: list[int], width: int) -> Engine:
+    """``eng`` with one row holding ``prompt`` and room for forwards up to ``width`` tokens
+    (``Engine.time_forward``)."""
     eng.open(1, len(prompt) + width + 8)
     eng.prefill([0], [prompt], [0], [len(prompt)], [width + 8])
     return eng
+
+
+def _verify_engine(target: Transformer, prompt: list[int], width: int) -> Engine:
+    """An AR engine whose one row holds ``prompt``, able to time forwards up to ``width``."""
+    return open_row(Engine(target, verify_width=width), prompt, width)
 
 
 def _spec_run(

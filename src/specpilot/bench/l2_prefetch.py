@@ -99,7 +99,7 @@ def run_e2e(
             continue
         prompt = torch.randint(0, model.cfg.vocab_size, (ctx,), generator=gen).tolist()
         fns = {
-            label: (lambda e=e, p=p, q=prompt: _run_arm(e, p, q, new_tokens))
+            label: (lambda e=e, p=p, q=prompt: decode_sample(e, p, q, new_tokens))
             for label, (e, p) in engines.items()
         }
         m = interleave(fns, rounds=rounds, warmup=1, deadline=deadline)
@@ -130,7 +130,9 @@ def run_e2e(
     return out
 
 
-def _run_arm(engine: Engine, pf: L2Prefetch | None, prompt: list[int], new_tokens: int) -> Sample:
+def decode_sample(
+    engine: Engine, pf: L2Prefetch | None, prompt: list[int], new_tokens: int
+) -> Sample:
     """One decode of ``prompt`` with the arm's hooks attached; the clock starts at the first
     commit the host reads (prefill and the first step's read-back excluded)."""
     first: list[float] = []
@@ -219,4 +221,4 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["arm_knobs", "run_e2e", "table"]
+__all__ = ["arm_knobs", "decode_sample", "run_e2e", "table"]
