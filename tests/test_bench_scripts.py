@@ -15,6 +15,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _load_script(name: str, monkeypatch):  # bench/<name>.py as a module, undone after the test
+    import importlib.util as iu
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the scripts import their siblings
+    spec = iu.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = iu.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_gpu_suite_tiny_end_to_end(tmp_path: Path) -> None:
     from specpilot.bench.gpu_suite import main
 
@@ -29,16 +41,8 @@ def test_gpu_suite_tiny_end_to_end(tmp_path: Path) -> None:
     assert "simulated acceptance" in saved["note"] and results["targets"]
 
 
-def test_mechanisms_gpu_script_runs_tiny_on_the_cpu(tmp_path):
-    import importlib.util as iu
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "mechanisms_gpu.py"
-    spec = iu.spec_from_file_location("mechanisms_gpu", path)
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_mechanisms_gpu_script_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
+    mod = _load_script("mechanisms_gpu", monkeypatch)
     out = mod.main(["--tiny", "--out", str(tmp_path), "--iters", "1"])
     assert not out.get("errors"), out.get("errors")
     saved = json.loads((tmp_path / "mechanisms_gpu.json").read_text())
@@ -46,16 +50,11 @@ def test_mechanisms_gpu_script_runs_tiny_on_the_cpu(tmp_path):
     assert {r["tokens"] for r in saved["verify"] if "chain_ms" in r} == {1, 4, 8}
 
 
-def test_tree_accept_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+def test_tree_accept_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     """Part 1 checks the torch accept against the path it planted (and the fused kernel where
     Triton runs); part 2 runs AR, the chain and trees through ``build_engine`` under both
     simulated profiles, every output equal to AR and token-forced."""
-    import importlib.util as iu
-
-    spec = iu.spec_from_file_location("tree_accept_gpu", ROOT / "bench" / "tree_accept_gpu.py")
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("tree_accept_gpu", monkeypatch)
     mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "1", "--e2e-rounds", "1"])
     saved = json.loads((tmp_path / "tree_accept_gpu.json").read_text())
     assert [r["nodes"] for r in saved["accept"]] == [6, 10]
@@ -76,13 +75,7 @@ def test_tree_accept_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_l2_prefetch_gpu_script_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
-    import importlib.util as iu
-
-    spec = iu.spec_from_file_location("l2_prefetch_gpu", ROOT / "bench" / "l2_prefetch_gpu.py")
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, mod)  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
+    mod = _load_script("l2_prefetch_gpu", monkeypatch)
     mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "2", "--mib", "2"])
     saved = json.loads((tmp_path / "l2_prefetch_gpu.json").read_text())["sections"]
     assert not [name for name, sec in saved.items() if isinstance(sec, dict) and "error" in sec]
@@ -93,16 +86,10 @@ def test_l2_prefetch_gpu_script_runs_tiny_on_the_cpu(tmp_path, monkeypatch):
     assert all(arm["issued"] > 0 for r in runs for arm in r["arms"].values())
 
 
-def test_two_level_graph_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+def test_two_level_graph_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     """Every arm equals AR (warm-up and timed runs), the cheap level corrects (τ per exact verify
     rises by the replacement, more with the extension) and each two-level arm has a prediction."""
-    import importlib.util as iu
-
-    path = ROOT / "bench" / "two_level_graph_gpu.py"
-    spec = iu.spec_from_file_location("two_level_graph_gpu", path)
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("two_level_graph_gpu", monkeypatch)
     mod.main(["--tiny", "--out", str(tmp_path), "--rounds", "1", "--new-tokens", "24"])
     saved = json.loads((tmp_path / "two_level_graph_gpu.json").read_text())
     assert saved["agreement"] > 0.9  # the INT8 copy of the peaked target agrees with it
@@ -118,21 +105,9 @@ def test_two_level_graph_gpu_script_runs_tiny_on_the_cpu(tmp_path: Path) -> None
     assert "simulated acceptance" in saved["label"]
 
 
-def _load_script(name: str):  # bench/<name>.py as a module
-    import importlib.util as iu
-
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = iu.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = iu.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_ar_stack_script_runs_tiny_on_the_cpu(tmp_path: Path, monkeypatch) -> None:
     """Every arm built by build_engine over its own model copy, token-forced, timed."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    mod = _load_script("ar_stack_gpu")
+    mod = _load_script("ar_stack_gpu", monkeypatch)
     args = ["ar_stack_gpu.py", "--out", str(tmp_path), "--tiny", "--rounds", "2", "--context", "40"]
     monkeypatch.setattr(sys, "argv", args)
     mod.main()
