@@ -11,44 +11,29 @@ scheduler from here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from specpilot.drafters import CHECKPOINT_DRAFTERS
 from specpilot.drafters.base import Drafter
 from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, SimulatedAcceptance
-from specpilot.drafters.tree import TreeShape
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.engine import Engine
 from specpilot.engine.gate import SpecGate
 from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
 from specpilot.engine.scheduler import Scheduler
-from specpilot.engine.tree_policy import TreePolicy
-from specpilot.engine.widths import WidthPolicy
 from specpilot.errors import SpecPilotError
+from specpilot.mechanisms import MECHANISMS
+from specpilot.mechanisms.parts import EngineParts
 from specpilot.runtime import LoadedModel, build_drafter, load_model, parse_device, parse_dtype
 
 
-@dataclass(slots=True)
-class EngineBuild:
-    """An engine under construction; mechanisms edit it before ``engine()`` is called."""
+@dataclass(slots=True, kw_only=True)
+class EngineBuild(EngineParts):
+    """An engine under construction: the parts mechanisms edit (``mechanisms/parts.py``) and the
+    config they come from; ``engine()`` is called once every mechanism has been applied."""
 
     config: EngineConfig
-    target: LoadedModel
-    draft_model: LoadedModel | None
-    drafter: Drafter | None
-    graphs: bool | None = None
-    """Run steps from CUDA graphs (None: on CUDA); ``--no-graphs`` sets False."""
-    width_policy: WidthPolicy | None = None
-    """Per-row verify widths (plug point ``drafter_schedule``); None = every row k + 1."""
-    packed_bucket: int = 0
-    """Packed ragged verify: rows rounded up to this (0 = the dense chain)."""
-    tree_policy: TreePolicy | None = None
-    """Static tree per row, filled from a drafter's candidates (plug point ``verify_strategy``)."""
-    tree_shape: TreeShape | None = None
-    """Bounds of a host drafter's trie per row (n-gram trees; plug point ``verify_strategy``)."""
-    notes: list[str] = field(default_factory=list)
-    """What each mechanism did, for reports."""
 
     @property
     def simulated(self) -> bool:
@@ -129,8 +114,6 @@ def build_engine(
     graphs: bool | None = None,
 ) -> EngineBuild:
     """Load (or reuse ``target``), build the drafter, and apply every enabled mechanism in order."""
-    from specpilot.mechanisms import MECHANISMS
-
     dep = config.deployment
     dtype, device = parse_dtype(dep.dtype), parse_device(dep.device)
     if graphs and device.type != "cuda":

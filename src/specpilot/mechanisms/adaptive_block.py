@@ -24,7 +24,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 
 @dataclass(slots=True)
@@ -69,7 +69,7 @@ class AdaptiveBlock:
             self.ema[row] += self.alpha * (accepted - self.ema[row])
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if build.width_policy is not None:
         raise SpecPilotError(
             f"Enable only one width policy; '{build.width_policy.name}' is already enabled."

@@ -42,8 +42,8 @@ from specpilot.kernels.decode_attn_plan import MAX_ROWS
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
     from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
+    from specpilot.mechanisms.parts import EngineParts
     from specpilot.models.layout import DenseLayout
     from specpilot.models.transformer import Transformer
 
@@ -115,7 +115,7 @@ def uninstall(model: Transformer) -> None:
     model.dense_attention = None
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     attn = install(build.target.model, **knobs)  # the knobs are install's keyword arguments
     c = attn.cfg
     split = f"{c.keys_per_split} keys" if c.keys_per_split else "auto"

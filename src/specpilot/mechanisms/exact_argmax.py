@@ -121,7 +121,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 
 @dataclass(slots=True)
@@ -233,7 +233,7 @@ class ExactArgmaxHead:
         return ids.view(b, r)
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     model = build.target.model
     path = str(knobs["path"])
     if path == "auto":

@@ -56,7 +56,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 
 @dataclass(slots=True)
@@ -179,7 +179,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     from specpilot.mechanisms.fp8_copy import fp8_model
 
     if build.drafter is None:

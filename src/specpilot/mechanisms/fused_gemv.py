@@ -48,9 +48,9 @@ from specpilot.kernels import triton_usable
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
     from specpilot.kernels.fused_gemv import Weight
     from specpilot.kernels.w12_gemv import GemvConfig
+    from specpilot.mechanisms.parts import EngineParts
     from specpilot.models.transformer import DecoderLayer, Transformer
 
 MATRIX_SETS = {
@@ -188,7 +188,7 @@ def install(
     return out
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     install(
         build.target.model,
         matrices=knobs["matrices"],

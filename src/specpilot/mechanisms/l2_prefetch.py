@@ -48,11 +48,10 @@ from torch import Tensor
 
 from specpilot.errors import SpecPilotError
 from specpilot.kernels.l2_prefetch import PrefetchSpec, bulk_supported, launch_mode, prefetch_l2
-from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.registry import Applicability, ConfigView, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
-    from specpilot.engine.config import EngineConfig
+    from specpilot.mechanisms.parts import EngineParts
     from specpilot.models.transformer import DecoderLayer, Transformer
 
 NEXT_MATRIX = {
@@ -242,7 +241,7 @@ def install(
     return pf
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     pf = install(build.target.model, **knobs)  # the knobs are install's keyword arguments
     build.notes.append(
         f"l2-prefetch: {len(pf.phases)} prefetches per forward, {pf.prefetch_bytes / MiB:.0f} MiB "
@@ -262,7 +261,7 @@ MEASURED_LOSSES = {
 with the measurement: the tuner does not try it there (``_screen``)."""
 
 
-def _screen(config: EngineConfig) -> str | None:
+def _screen(config: ConfigView) -> str | None:
     """A reason not to try it on this deployment's GPU (a measured loss), or None."""
     dev = config.deployment.device
     if not torch.cuda.is_available() or not (dev == "auto" or dev.startswith("cuda")):

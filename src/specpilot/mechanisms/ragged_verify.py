@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     build.packed_bucket = int(knobs["bucket"])
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
-    from specpilot.engine.config import EngineConfig
+    from specpilot.engine.deployment import DeploymentSpec
+    from specpilot.mechanisms.parts import EngineParts
 
 COMPONENTS = (
     "embedding",
@@ -90,6 +90,16 @@ def canonical(knobs: tuple[Knob, ...], params: Mapping[str, Any]) -> dict[str, A
     return out
 
 
+class ConfigView(Protocol):
+    """What a cost-model screen reads of an engine config (``engine/config.EngineConfig``)."""
+
+    @property
+    def deployment(self) -> DeploymentSpec: ...
+
+    @property
+    def mechanisms(self) -> Mapping[str, Mapping[str, Any]]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Applicability:
     """Where a mechanism may be enabled (every field: allowed values; empty tuple = any)."""
@@ -118,7 +128,7 @@ class Mechanism:
     plug_point: str
     lossless: str
     """Why enabling it cannot change a committed token (beyond documented near-ties)."""
-    apply: Callable[[EngineBuild, Mapping[str, Any]], None]
+    apply: Callable[[EngineParts, Mapping[str, Any]], None]
     knobs: tuple[Knob, ...] = ()
     applies: Applicability = field(default_factory=Applicability)
     summary: str = ""
@@ -126,11 +136,11 @@ class Mechanism:
     """Per device type, knob settings (the rest at their defaults) the tuner tries right after
     the defaults: points a measurement on that device found better than the defaults, so that a
     short search reaches them (e.g. the 48-node tree on the H200)."""
-    screen: Callable[[EngineConfig], str | None] | None = None
+    screen: Callable[[ConfigView], str | None] | None = None
     """The cost model's verdict on a deployment it applies to: a reason not to try it there (it
     cannot win), or None (try it). None: always try it."""
 
-    def screened_out(self, config: EngineConfig) -> str | None:
+    def screened_out(self, config: ConfigView) -> str | None:
         return None if self.screen is None else self.screen(config)
 
     def __post_init__(self) -> None:

@@ -17,10 +17,10 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.mechanisms.tiered_budget import EMA_KNOBS, LOSSLESS, install_width_policy
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     policy = RowBlockLength(
         threshold=float(knobs["threshold"]),
         decay=float(knobs["decay"]),

@@ -17,7 +17,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 LOSSLESS = (
     "It only chooses how many of the drafted tokens each row verifies; the verify is exact and "
@@ -35,7 +35,7 @@ EMA_KNOBS = (
 """Knobs of the per-row, per-position acceptance average that every width policy keeps."""
 
 
-def install_width_policy(build: EngineBuild, policy: WidthPolicy) -> None:
+def install_width_policy(build: EngineParts, policy: WidthPolicy) -> None:
     """Give the static engine its (single) width policy and a packed verify to carry it."""
     if build.width_policy is not None:
         raise SpecPilotError(
@@ -45,7 +45,7 @@ def install_width_policy(build: EngineBuild, policy: WidthPolicy) -> None:
     build.packed_bucket = build.packed_bucket or 16
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     policy = TieredBudget(
         budget=float(knobs["budget"]),
         decay=float(knobs["decay"]),

@@ -31,7 +31,7 @@ from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
 
 LOSSLESS = (
     "Each tree node is verified with exactly its path's context (tree mask: committed prefix, "
@@ -42,7 +42,7 @@ LOSSLESS = (
 )
 
 
-def _shape(build: EngineBuild, knobs: Mapping[str, Any], candidates: bool) -> TreeShape:
+def _shape(build: EngineParts, knobs: Mapping[str, Any], candidates: bool) -> TreeShape:
     depth, width = int(knobs["depth"]), int(knobs["width"])
     if candidates and build.drafter is not None and depth > build.drafter.k:
         build.notes.append(f"tree depth {depth} cut to the drafter's {build.drafter.k} positions")
@@ -55,7 +55,7 @@ def _shape(build: EngineBuild, knobs: Mapping[str, Any], candidates: bool) -> Tr
     )
 
 
-def _check(build: EngineBuild) -> bool:
+def _check(build: EngineParts) -> bool:
     """Whether the drafter gives candidates (static trees) rather than host tries."""
     d = build.drafter
     if d is None:
@@ -69,7 +69,7 @@ def _check(build: EngineBuild) -> bool:
     raise SpecPilotError(f"The drafter '{d.name}' proposes no trees; disable tree-verify.")
 
 
-def _apply_fixed(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply_fixed(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     candidates = _check(build)
     shape = _shape(build, knobs, candidates)
     if candidates:
@@ -79,7 +79,7 @@ def _apply_fixed(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
     build.packed_bucket = build.packed_bucket or 16
 
 
-def _apply_ragged(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply_ragged(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if not _check(build):
         raise SpecPilotError("ragged-trees needs a drafter with per-position candidates.")
     assert build.drafter is not None

@@ -50,13 +50,12 @@ from specpilot.drafters.base import Drafter, DraftRows
 from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms.cheap_scorer import CheapScorer, idle_safe
-from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.registry import Applicability, ConfigView, Knob, Mechanism
 from specpilot.mechanisms.two_level_device import DeviceTwoLevelDrafter, two_level_k
 from specpilot.models.transformer import Transformer
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
-    from specpilot.engine.config import EngineConfig
+    from specpilot.mechanisms.parts import EngineParts
 
 VARIANTS = ("correct", "correct-extend")
 
@@ -167,7 +166,7 @@ def wrap(
     return TwoLevelDrafter(drafter, cheap_model(target), extension)
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if build.drafter is None:
         raise SpecPilotError("two-level verification needs a drafter; choose one with --drafter.")
     build.drafter = wrap(
@@ -179,7 +178,7 @@ GRAPH_SAFE_DRAFTERS = ("draft-model", "block", "dflash", "dflash2", "eagle3")
 """Drafters whose proposal is device work: corrected inside the captured draft step."""
 
 
-def _screen(config: EngineConfig) -> str | None:
+def _screen(config: ConfigView) -> str | None:
     """The cost model's verdict where the acceptance is known in advance (a simulated profile,
     with the mechanism's knobs as the tuner starts them); None otherwise: the trial measures."""
     from specpilot.drafters.simulated import AcceptanceProfile

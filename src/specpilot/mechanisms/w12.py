@@ -48,7 +48,7 @@ from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
 
 if TYPE_CHECKING:
-    from specpilot.engine.build import EngineBuild
+    from specpilot.mechanisms.parts import EngineParts
     from specpilot.models.transformer import Transformer
 
 LAYER_SETS = {
@@ -122,7 +122,7 @@ def install(
     }
 
 
-def _apply(build: EngineBuild, knobs: Mapping[str, Any]) -> None:
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     stats = install(
         build.target.model,
         layers=knobs["layers"],
