@@ -114,7 +114,9 @@ def test_ttt_steps_equal_the_loaded_drafters_inference_forward(tmp_path: Path, a
                 slot = torch.tensor([length - 1 + k])
                 lay = DenseLayout.build(slot, 1, length + k, drafter.fwd.groups, torch.float32)
                 h = dnet.step(drafter.fwd, h, torch.tensor([seq.tokens[length + k]]), cache, lay)
-                torch.testing.assert_close(h[0], outs[k][row * s + length - 1], rtol=1e-4, atol=1e-5)  # fmt: skip
+                # fp32 rounding compounds over the steps (two summation orders, std-0.2 weights):
+                # CI saw 2.9e-5 at step 3; a wrong step differs by O(1)
+                torch.testing.assert_close(h[0], outs[k][row * s + length - 1], rtol=1e-3, atol=1e-4)  # fmt: skip
 
 
 def test_ttt_loss_falls_and_the_drafter_learns_a_sequence(tmp_path: Path) -> None:
