@@ -34,7 +34,7 @@ from specpilot.kernels.l2_prefetch import (
 from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.l2_prefetch import NEXT_MATRIX, PHASE_SETS, MiB, install, installed
 from specpilot.mechanisms.l2_prefetch_cost import matrix_bytes, predict
-from specpilot.models.forward import PHASE_POINTS
+from specpilot.models.layer import PHASE_POINTS
 from specpilot.synthetic import TARGET_SHAPES
 from specpilot.tune.space import directions_for, skipped_mechanisms
 

@@ -475,7 +475,8 @@ def _group_mechanism() -> None:
     from specpilot.config import ModelConfig
     from specpilot.forcing import force_tokens
     from specpilot.mechanisms.w12 import install
-    from specpilot.models.transformer import DecoderLayer, Transformer
+    from specpilot.models.layer import DecoderLayer
+    from specpilot.models.transformer import Transformer
 
     cfg = ModelConfig(
         arch="llama", vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2,

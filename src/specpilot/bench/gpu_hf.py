@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from specpilot.config import ModelConfig
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.layer import DecoderLayer
+from specpilot.models.transformer import Transformer
 from specpilot.synthetic import DRAFT_MODEL_FOR_TARGET, build_draft_model
 
 

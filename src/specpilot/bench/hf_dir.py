@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from specpilot.config import ModelConfig
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.layer import DecoderLayer
+from specpilot.models.transformer import Transformer
 
 SHARD_BYTES = 2 << 30
 """Largest safetensors shard written (bytes)."""

@@ -91,6 +91,10 @@ def stock_of(tuned: EngineConfig) -> EngineConfig:
     return EngineConfig(deployment=tuned.deployment, k=k, drafter_knobs=knobs)
 
 
+RUN_FILE = "run.json"
+"""What a tune writes beside its engine config (``commands/tune_compare.py``): its arguments and
+results, read here for the defaults."""
+
 FALLBACKS = {"prompts": "copy-heavy", "skip": 4, "limit": 6, "max_new_tokens": 128, "rounds": 3}
 """What compare uses when neither a flag nor the tune's run.json says."""
 
@@ -98,8 +102,6 @@ FALLBACKS = {"prompts": "copy-heavy", "skip": 4, "limit": 6, "max_new_tokens": 1
 def resolve_defaults(args: argparse.Namespace) -> list[str]:
     """Fill every option left unset from ``run.json`` beside ``--engine`` (what the tune that
     wrote it measured), else from ``FALLBACKS``; returns the names taken from the run."""
-    from specpilot.commands.tune_compare import RUN_FILE
-
     run: dict[str, object] = {}
     path = Path(args.engine).parent / RUN_FILE
     if path.is_file():

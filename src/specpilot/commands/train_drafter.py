@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from specpilot.commands.common import DEFAULT_TARGET
-from specpilot.train.recipe import KIND_NAMES
+from specpilot.train.settings import KIND_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specpilot.train.loop import TrainSettings, smoke, train
+    from specpilot.train.loop import train
+    from specpilot.train.settings import TrainSettings, smoke
 
     steps = args.steps if args.steps is not None else (3 if args.smoke else None)
     settings = TrainSettings(

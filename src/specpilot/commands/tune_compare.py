@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from specpilot.bench.prompts import load_prompt_set
+from specpilot.commands import compare
+from specpilot.commands.compare import RUN_FILE
 
 
 def held_out_compare(
@@ -33,8 +35,6 @@ def held_out_compare(
     if held_out <= 0:
         print(f"no held-out prompts left in {args.prompts} after the tuning ones: compare skipped")
         return 0
-    from specpilot.commands import compare
-
     left = args.budget - (time.perf_counter() - started) - COMPARE_SLACK_S
     fit = compare_fit(left, held_out, args.max_new_tokens, executor.ar_tok_s, rounds)
     rerun = (
@@ -108,7 +108,6 @@ def write_run(
     (out / RUN_FILE).write_text(json.dumps(run, indent=2) + "\n")
 
 
-RUN_FILE = "run.json"
 COMPARE_SLACK_S = 10.0
 """Seconds kept after the compare's rounds for its token forcing and the summary."""
 

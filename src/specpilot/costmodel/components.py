@@ -35,8 +35,9 @@ from torch import Tensor
 
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.transformer import Transformer
 
 Thunk = Callable[[], object]
 

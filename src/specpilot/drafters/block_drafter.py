@@ -26,8 +26,9 @@ from specpilot.config import ModelConfig
 from specpilot.drafters.base import DraftRows
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.transformer import Transformer
 
 
 def default_hidden_layers(num_target_layers: int, count: int) -> tuple[int, ...]:

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from specpilot.kernels.fused_gemv import Weight
     from specpilot.kernels.w12_gemv import GemvConfig
     from specpilot.mechanisms.parts import EngineParts
-    from specpilot.models.transformer import DecoderLayer, Transformer
+    from specpilot.models.layer import DecoderLayer
+    from specpilot.models.transformer import Transformer
 
 MATRIX_SETS = {
     "all": ("w_qkv", "w_o", "w_gate_up", "w_down"),
@@ -165,7 +166,7 @@ def install(
 ) -> list[FusedLinears]:
     """Give every decoder layer of ``model`` its fused GEMVs; returns them, one per layer."""
     from specpilot.kernels.w12_gemv import MAX_ROWS, GemvConfig
-    from specpilot.models.transformer import DecoderLayer
+    from specpilot.models.layer import DecoderLayer
 
     if model.dtype != torch.bfloat16:
         raise SpecPilotError("fused_gemv runs bf16 GEMVs; load the target with --dtype bf16.")

@@ -52,7 +52,8 @@ from specpilot.mechanisms.registry import Applicability, ConfigView, Knob, Mecha
 
 if TYPE_CHECKING:
     from specpilot.mechanisms.parts import EngineParts
-    from specpilot.models.transformer import DecoderLayer, Transformer
+    from specpilot.models.layer import DecoderLayer
+    from specpilot.models.transformer import Transformer
 
 NEXT_MATRIX = {
     "input_norm": "w_qkv",
@@ -215,7 +216,7 @@ def install(
     programs: int = 8,
 ) -> L2Prefetch:
     """Hook L2 prefetches into every decoder layer of ``model``; returns the handle."""
-    from specpilot.models.transformer import DecoderLayer
+    from specpilot.models.layer import DecoderLayer
 
     if phases not in PHASE_SETS:
         raise SpecPilotError(f"phases must be one of {', '.join(PHASE_SETS)}, got '{phases}'.")

@@ -99,7 +99,7 @@ def install(
     pdl: bool = False,
 ) -> dict[str, float]:
     """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts."""
-    from specpilot.models.transformer import DecoderLayer
+    from specpilot.models.layer import DecoderLayer
 
     if model.dtype != torch.bfloat16:
         raise SpecPilotError("W12 is a bf16 weight format; load the target with --dtype bf16.")

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from specpilot.errors import SpecPilotError
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.layer import DecoderLayer
+from specpilot.models.transformer import Transformer
 
 LINEAR_NAMES = ("w_qkv", "w_o", "w_gate_up", "w_down")
 

@@ -35,9 +35,10 @@ from specpilot.config import ModelConfig
 from specpilot.models.block_conv import BlockConv
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout, additive
 from specpilot.models.rope import rope_tables
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.transformer import Transformer
 
 KINDS = ("dflash", "dflash2")
 

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from specpilot.config import ModelConfig
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
-from specpilot.models.transformer import DecoderLayer, Transformer
+from specpilot.models.transformer import Transformer
 
 KIND = "eagle3"
 

@@ -38,11 +38,11 @@ from torch import Tensor
 
 from specpilot.kernels import reference, triton_usable
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer, FusedSteps
 from specpilot.models.layout import DenseLayout, Layout, PackedLayout
 
 if TYPE_CHECKING:
     from specpilot.config import ModelConfig
-    from specpilot.models.transformer import DecoderLayer
 
 
 class Network(Protocol):
@@ -74,44 +74,6 @@ class Network(Protocol):
 
 
 NetT = TypeVar("NetT", bound=Network)
-
-
-class FusedSteps(Protocol):
-    """A layer's fused GEMVs (plug point ``kernel_choice``): each computes what the named
-    unfused steps compute, rounded the same way up to fp32 summation order."""
-
-    def takes(self, name: str, rows: int) -> bool:
-        """Whether a fused kernel serves matrix ``name`` for ``rows`` rows; False for a matrix
-        that ``linear_fns`` serves from another storage unless the fused kernel reads that."""
-        ...
-
-    def norm_linear(
-        self, name: str, x: Tensor, norm_weight: Tensor, bias: Tensor | None
-    ) -> Tensor:  # [M, K] -> [M, N]: RMSNorm(x) @ W.T (+ bias)
-        ...
-
-    def linear_residual(self, name: str, x: Tensor, a: Tensor) -> Tensor:
-        """``x [M, N] + a [M, K] @ W.T``, one rounding."""
-        ...
-
-    def silu_linear_residual(self, name: str, x: Tensor, gate_up: Tensor) -> Tensor:
-        """``x [M, N] + silu_mul(gate_up [M, 2I]) @ W.T``, one rounding."""
-        ...
-
-
-PHASE_POINTS = (
-    "input_norm",
-    "w_qkv",
-    "attention",
-    "w_o",
-    "post_attn_norm",
-    "w_gate_up",
-    "silu_mul",
-    "w_down",
-)
-"""The steps of the layer body, in order, before each of which a ``DecoderLayer.phase_hooks``
-entry of that name is called: the small phases (the norms, RoPE + K/V write + attention,
-SiLU·mul) and the four matrices."""
 
 
 def _no_hook(point: str) -> None:

@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
 from specpilot.errors import CheckpointError
-from specpilot.models.block_conv import BlockConv
-from specpilot.models.forward import Forward, FusedSteps
+from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
+from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
 
@@ -34,44 +34,6 @@ class ForwardOutput:
     logits: Tensor  # [B, R, vocab] for the requested rows (R = T when all rows)
     hidden: dict[int, Tensor] = field(default_factory=dict)  # layer -> [B, T, hidden]
     final_hidden: Tensor | None = None  # [B, R, hidden] final-normed input of the LM head
-
-
-class DecoderLayer(nn.Module):
-    """Weights of one pre-norm attention + SwiGLU MLP layer (the body is ``models/forward.py``).
-    q/k/v and gate/up are fused into one matrix each at load time."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-
-        def p(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-        self.cfg = cfg
-        self.gemv: dict[str, Tensor] = {}  # name -> [in, out] copy for one-row products (CPU)
-        # Plug point "linear_weights": name -> fn(x [.., in], bias) computing F.linear(x, w, bias)
-        # from another storage of bit-identical weights (e.g. mechanisms/w12.py).
-        self.linear_fns: dict[str, Callable[[Tensor, Tensor | None], Tensor]] = {}
-        # Plug point "layer_phases": point -> fn() called just before that step of the layer body
-        # (``models/forward.PHASE_POINTS``). A hook must not change any value the forward reads
-        # (e.g. mechanisms/l2_prefetch.py issues L2 prefetches of the next matrix).
-        self.phase_hooks: dict[str, Callable[[], None]] = {}
-        # Plug point "kernel_choice": GEMVs with the norm / SiLU·mul / residual add fused in,
-        # for few rows on the Triton path (e.g. mechanisms/fused_gemv.py); None: unfused.
-        self.fused_steps: FusedSteps | None = None
-        self.input_norm = p(h)
-        self.post_attn_norm = p(h)
-        self.w_qkv = p(qkv, h)
-        self.b_qkv = p(qkv) if cfg.attention_bias else None
-        self.q_norm = p(cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = p(cfg.head_dim) if cfg.qk_norm else None
-        self.w_o = p(h, cfg.q_size)
-        self.w_gate_up = p(2 * cfg.intermediate_size, h)
-        self.w_down = p(h, cfg.intermediate_size)
-        # DFlash2 drafters mix the rows of each draft block around attention and the MLP
-        # (``models/block_conv.py``); None everywhere else.
-        self.attention_conv: BlockConv | None = None
-        self.mlp_conv: BlockConv | None = None
 
 
 class Transformer(nn.Module):

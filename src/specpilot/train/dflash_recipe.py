@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from specpilot.loading.tokenizer import TextTokenizer
     from specpilot.models.transformer import Transformer
     from specpilot.train.data import Sample
-    from specpilot.train.loop import TrainSettings
+    from specpilot.train.settings import TrainSettings
 
 MASK_NAMES = ("<|MASK|>", "<mask>", "[MASK]", "<|mask|>")
 

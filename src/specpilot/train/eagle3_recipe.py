@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from specpilot.loading.tokenizer import TextTokenizer
     from specpilot.models.transformer import Transformer
     from specpilot.train.data import Sample
-    from specpilot.train.loop import TrainSettings
+    from specpilot.train.settings import TrainSettings
 
 DEFAULT_DRAFT_VOCAB = 16_000
 """Draft vocabulary when ``--draft-vocab`` is not given (capped at the target's): the size of

@@ -1,9 +1,10 @@
 """What a drafter kind brings to ``train-drafter``; everything else (data, target features,
 schedule, checkpoints, held-out τ, the budget) is shared by ``train/loop.py``.
 
-A kind is one module with one class implementing :class:`Recipe` and one entry in ``recipes()``
-/ ``KIND_NAMES``: ``train/dflash_recipe.py`` (DFlash, DFlash's block loss) and
-``train/eagle3_recipe.py`` (EAGLE-3: its draft vocabulary and its TTT loss).
+A kind is one module with one class implementing :class:`Recipe`, one entry in
+``train/kinds.recipes()`` and one name in ``train/settings.KIND_NAMES``:
+``train/dflash_recipe.py`` (DFlash, DFlash's block loss) and ``train/eagle3_recipe.py``
+(EAGLE-3: its draft vocabulary and its TTT loss). Recipes import this module; it imports none.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from specpilot.loading.tokenizer import TextTokenizer
     from specpilot.models.transformer import Transformer
     from specpilot.train.data import Sample
-    from specpilot.train.loop import TrainSettings
+    from specpilot.train.settings import TrainSettings
 
 
 @dataclass(slots=True)
@@ -128,15 +129,3 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
     with torch.no_grad():
         for d, s in zip(dst.parameters(), src.parameters(), strict=True):
             d.copy_(s)
-
-
-def recipes() -> dict[str, Recipe]:
-    """Kind name → recipe (imported on demand)."""
-    from specpilot.train.dflash_recipe import DFlashRecipe
-    from specpilot.train.eagle3_recipe import Eagle3Recipe
-
-    return {"dflash": DFlashRecipe(), "eagle3": Eagle3Recipe()}
-
-
-KIND_NAMES = ("dflash", "eagle3")
-"""The kinds ``recipes()`` returns, for argument parsers."""
