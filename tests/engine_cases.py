@@ -23,8 +23,9 @@ from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.drafters.wrapped import FilteredDrafter
 from specpilot.engine import Engine, Request, Scheduler, generate
-from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees
+from specpilot.engine.view import VerifyPlan
 from specpilot.engine.widths import RowBlockLength, TieredBudget
 from specpilot.mechanisms.adaptive_block import AdaptiveBlock
 from specpilot.mechanisms.fp8_copy import fp8_model

@@ -20,9 +20,10 @@ from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine import Engine, Request, RequestResult, Scheduler, generate
 from specpilot.engine.accept import commit_block
-from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.rows import RowState
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees
+from specpilot.engine.view import VerifyPlan
 from specpilot.engine.widths import RowBlockLength, TieredBudget
 from specpilot.errors import PromptTooLongError
 from specpilot.mechanisms.adaptive_block import AdaptiveBlock

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
+    from specpilot.engine.view import EngineView
 
 
 @contextlib.contextmanager
-def stock_head(engine: Engine) -> Iterator[None]:
+def stock_head(engine: EngineView) -> Iterator[None]:
     """Steps run meanwhile use the stock LM head (no plug, so no flag), in graphs of their own."""
     target = engine.target
     head, target.argmax_head = target.argmax_head, None
@@ -46,7 +46,7 @@ def stock_head(engine: Engine) -> Iterator[None]:
 
 
 def redo_with_stock_head(
-    engine: Engine, verify: Callable[[], None], accept: Callable[[], None]
+    engine: EngineView, verify: Callable[[], None], accept: Callable[[], None]
 ) -> None:
     """Clear the halt, then run ``verify`` and ``accept`` with the stock LM head."""
     engine.state.halted.zero_()
@@ -56,7 +56,7 @@ def redo_with_stock_head(
         accept()
 
 
-def read_ar_steps(engine: Engine, rows: list[int], steps: int) -> dict[int, list[int]]:
+def read_ar_steps(engine: EngineView, rows: list[int], steps: int) -> dict[int, list[int]]:
     """One read-back of up to ``steps`` AR steps since the host mirror: per row the tokens the
     device committed (all ``steps`` unless the head abstained), added to the mirror."""
     h, st = engine.host, engine.state

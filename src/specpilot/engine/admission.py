@@ -21,7 +21,7 @@ import torch
 from specpilot.errors import PromptTooLongError
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
+    from specpilot.engine.view import EngineView
 
 
 def contiguous_runs(rows: Sequence[int]) -> list[list[int]]:
@@ -37,7 +37,7 @@ def contiguous_runs(rows: Sequence[int]) -> list[list[int]]:
 
 
 def prefill_rows(
-    engine: Engine,
+    engine: EngineView,
     rows: Sequence[int],
     prompts: Sequence[Sequence[int]],
     starts: Sequence[int],
@@ -66,7 +66,7 @@ def prefill_rows(
 
 
 def _prefill_run(
-    engine: Engine,
+    engine: EngineView,
     run: list[int],
     rows: Sequence[int],
     prompts: Sequence[Sequence[int]],

@@ -20,8 +20,9 @@ from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, Simulated
 from specpilot.engine.config import EngineConfig
 from specpilot.engine.engine import Engine
 from specpilot.engine.gate import SpecGate
-from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan, VerifyPlan
+from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.scheduler import Scheduler
+from specpilot.engine.view import VerifyPlan
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.parts import EngineParts

@@ -14,10 +14,10 @@ from specpilot.engine.accept import ABSTAINED
 from specpilot.engine.types import RowCommit
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
+    from specpilot.engine.view import EngineView
 
 
-def ar_window(engine: Engine, limit: int | None = None) -> list[RowCommit]:
+def ar_window(engine: EngineView, limit: int | None = None) -> list[RowCommit]:
     """``sync_every`` AR steps (at most ``limit``, and no more than the rows' room) queued,
     then read back once; after an abstain, the rest of the window halted and one stock step."""
     h = engine.host
@@ -41,7 +41,7 @@ def ar_window(engine: Engine, limit: int | None = None) -> list[RowCommit]:
     return [RowCommit(b, new[b], 0, 0, cycles=len(new[b])) for b in rows]
 
 
-def spec_cycle(engine: Engine) -> list[RowCommit]:
+def spec_cycle(engine: EngineView) -> list[RowCommit]:
     """Draft, verify and accept through the plan, one read-back of ``[accepted, a_0..]`` per
     row (again after a verify redone with the stock head), then the commit on the host."""
     assert engine.plan is not None and engine.drafter is not None

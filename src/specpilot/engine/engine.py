@@ -37,10 +37,11 @@ from specpilot.drafters.base import Drafter, gateable
 from specpilot.engine.accept import accept_and_commit
 from specpilot.engine.cycles import ar_window, spec_cycle
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
-from specpilot.engine.plans import ChainPlan, TreePlan, VerifyPlan
+from specpilot.engine.plans import ChainPlan, TreePlan
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
 from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
+from specpilot.engine.view import VerifyPlan
 from specpilot.errors import PromptTooLongError
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
@@ -334,11 +335,11 @@ class Engine:
         host_start = None
         if not self.runner.use_graphs and self.batch == 1:
             host_start = self.host.lens[0] - 1 + offset
-        step = self._verify_step(w, attn_len, hidden, host_start)
+        step = self.verify_step(w, attn_len, hidden, host_start)
         key = ("verify", w, attn_len, hidden is not None)
         self.runner.run(key, step, self.state, self.verify_graph_safe)
 
-    def _verify_step(
+    def verify_step(
         self, w: int, attn_len: int, hidden: Tensor | None, host_start: int | None
     ) -> Callable[[], None]:
         st = self.state

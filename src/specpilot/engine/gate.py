@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
     from specpilot.engine.types import RowCommit
+    from specpilot.engine.view import EngineView
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +209,7 @@ class SpecGate:
         }
 
 
-def gated_ar_window(engine: Engine, gate: SpecGate) -> list[RowCommit]:
+def gated_ar_window(engine: EngineView, gate: SpecGate) -> list[RowCommit]:
     """AR steps instead of a cycle: every decoding row is off, or the gate has not timed an AR
     step yet (then two real ones, which commit like any other)."""
     h = engine.host
@@ -223,7 +223,7 @@ def gated_ar_window(engine: Engine, gate: SpecGate) -> list[RowCommit]:
     return out
 
 
-def resync_drafter(engine: Engine) -> None:
+def resync_drafter(engine: EngineView) -> None:
     """Drafting resumes: the drafter catches up on what rows committed by AR meanwhile."""
     if not engine.unsynced or engine.drafter is None:
         return

@@ -22,7 +22,7 @@ changes speed, never a committed token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,29 +35,7 @@ from specpilot.engine.widths import WidthPolicy
 from specpilot.models.layout import PackedRows, bucket_rows
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
-
-
-class VerifyPlan(Protocol):
-    name: str
-
-    def block_width(self, k: int) -> int:
-        """Widest block (pending token included) one row verifies, for a drafter of ``k``."""
-        ...
-
-    def bind(self, engine: Engine) -> None:
-        """Allocate the plan's buffers for the engine's batch."""
-        ...
-
-    def reset_row(self, row: int) -> None:
-        """Row ``row`` takes a new sequence: forget what was learnt of the old one."""
-        ...
-
-    def cycle(self, engine: Engine) -> tuple[int, list[int]]:
-        """Draft, verify, accept. Returns the read-back width and the positions drafted per row."""
-        ...
-
-    def observe(self, row: int, drafted: int, accepted: int) -> None: ...
+    from specpilot.engine.view import EngineView
 
 
 def _rows_fit(rows: PackedRows | None, batch: int, width: int) -> bool:
@@ -102,19 +80,19 @@ class _WidthCaps:
         self.policy = policy
         self._host: torch.Tensor | None = None
 
-    def bind(self, engine: Engine) -> None:
+    def bind(self, engine: EngineView) -> None:
         dev = engine.device
         self._host = torch.zeros(engine.batch, dtype=torch.int64, pin_memory=dev.type == "cuda")
         if self.policy is not None:
             self.policy.reset(engine.batch, engine.k, 1)
 
-    def widths(self, engine: Engine) -> list[int]:
+    def widths(self, engine: EngineView) -> list[int]:
         active = engine.host.active
         if self.policy is None:
             return [engine.k + 1 if a else 0 for a in active]
         return self.policy.widths(active)
 
-    def write(self, engine: Engine, widths: Sequence[int]) -> None:
+    def write(self, engine: EngineView, widths: Sequence[int]) -> None:
         if self.policy is None or self._host is None:
             return
         self._host.copy_(torch.tensor([max(w - 1, 0) for w in widths], dtype=torch.int64))
@@ -138,7 +116,7 @@ class ChainPlan:
     def block_width(self, k: int) -> int:
         return k + 1
 
-    def bind(self, engine: Engine) -> None:
+    def bind(self, engine: EngineView) -> None:
         self.caps.bind(engine)
 
     def reset_row(self, row: int) -> None:
@@ -147,7 +125,7 @@ class ChainPlan:
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         self.caps.observe(row, drafted, accepted)
 
-    def cycle(self, engine: Engine) -> tuple[int, list[int]]:
+    def cycle(self, engine: EngineView) -> tuple[int, list[int]]:
         host, k = engine.host, engine.k
         widths = self.caps.widths(engine)
         self.caps.write(engine, widths)
@@ -184,7 +162,7 @@ class PackedPlan:
     def block_width(self, k: int) -> int:
         return k + 1
 
-    def bind(self, engine: Engine) -> None:
+    def bind(self, engine: EngineView) -> None:
         self.caps.bind(engine)
         if not _rows_fit(self.rows, engine.batch, engine.k + 1):
             self.rows = PackedRows.allocate(engine.batch, engine.k + 1, engine.device)
@@ -196,7 +174,7 @@ class PackedPlan:
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         self.caps.observe(row, drafted, accepted)
 
-    def cycle(self, engine: Engine) -> tuple[int, list[int]]:
+    def cycle(self, engine: EngineView) -> tuple[int, list[int]]:
         assert self.rows is not None
         host, k = engine.host, engine.k
         widths = self.caps.widths(engine)
@@ -264,7 +242,7 @@ class TreePlan:
             return self.shape.depth
         return k
 
-    def bind(self, engine: Engine) -> None:
+    def bind(self, engine: EngineView) -> None:
         drafter, w = engine.drafter, self.block_width(engine.k)
         assert drafter is not None
         host_trees = self.policy is None
@@ -306,7 +284,7 @@ class TreePlan:
         if self.policy is not None:
             self.policy.observe(row, drafted, accepted)
 
-    def _static_trees(self, engine: Engine) -> tuple[list[int], list[int]]:
+    def _static_trees(self, engine: EngineView) -> tuple[list[int], list[int]]:
         assert self.policy is not None and self.bufs is not None and engine.drafter is not None
         active = engine.host.active
         trees: list[StaticTree] = self.policy.trees(active)
@@ -322,7 +300,7 @@ class TreePlan:
         widths = [1 + t.nodes if a else 1 for t, a in zip(trees, active, strict=True)]
         return widths, [t.depth if a else 0 for t, a in zip(trees, active, strict=True)]
 
-    def _host_trees(self, engine: Engine) -> tuple[list[int], list[int]]:
+    def _host_trees(self, engine: EngineView) -> tuple[list[int], list[int]]:
         assert self.shape is not None and self.bufs is not None and engine.drafter is not None
         active = engine.host.active
         prop = engine.drafter.propose_tree(engine, self.shape)  # type: ignore[attr-defined]
@@ -331,7 +309,7 @@ class TreePlan:
         self.bufs.fill_host(prop, engine.state.pending)
         return [1 + n for n in counts], [prop.max_depth(b) for b in range(len(counts))]
 
-    def cycle(self, engine: Engine) -> tuple[int, list[int]]:
+    def cycle(self, engine: EngineView) -> tuple[int, list[int]]:
         assert self.bufs is not None and self.rows is not None
         host_trees = self.policy is None
         widths, drafted = self._host_trees(engine) if host_trees else self._static_trees(engine)

@@ -14,11 +14,11 @@ from specpilot.engine.abstain import stock_head
 from specpilot.timing import time_call
 
 if TYPE_CHECKING:
-    from specpilot.engine.engine import Engine
+    from specpilot.engine.view import EngineView
 
 
 @torch.inference_mode()
-def reference_continuation(engine: Engine, n: int) -> list[list[int]]:
+def reference_continuation(engine: EngineView, n: int) -> list[list[int]]:
     """The target's next ``n`` greedy tokens per row from the committed state, by AR steps of
     the engine's own forward (with the stock LM head: a head that may abstain would halt them),
     not committed. Excluded from the engine's timed wall clock."""
@@ -38,14 +38,14 @@ def reference_continuation(engine: Engine, n: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def time_forward(engine: Engine, width: int, iters: int = 20) -> float:
+def time_forward(engine: EngineView, width: int, iters: int = 20) -> float:
     """Seconds per target forward of ``width`` tokens per row (a verify of ``width - 1`` drafts)
     at the current committed state, replayed like a cycle's verify (median of 3 runs of
     ``iters``)."""
     if width - 1 > engine.k_max:
         raise ValueError(f"width must be at most {engine.k_max + 1}, got {width}")
     attn_len = engine.bucket(max(engine.host.lens) - 1 + width)
-    step = engine._verify_step(width, attn_len, None, None)
+    step = engine.verify_step(width, attn_len, None, None)
 
     def once() -> None:
         engine.runner.run(("time", width, attn_len), step, engine.state, engine.verify_graph_safe)
