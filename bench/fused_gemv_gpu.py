@@ -38,11 +38,9 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,10 +48,8 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from w12_gpu import error_ratio, kernel_bench_setup, time_calls
-
+from specpilot.bench.kernel_bench import error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
 from specpilot.kernels import decode_triton, reference

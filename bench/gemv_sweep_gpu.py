@@ -54,8 +54,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fused_gemv_gpu import MATRICES, NORMED, TINY_MATRICES, call, make_inputs
-from w12_gpu import error_ratio, kernel_bench_setup, time_calls
 
+from specpilot.bench.kernel_bench import error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
 from specpilot.kernels import reference

@@ -1,22 +1,27 @@
-"""W12 GEMM against bf16 at Llama-3-8B linear shapes, M = 1..64 rows (decode and verify sizes).
+"""W12 v3 against bf16 on the H200: Llama-3-8B linear shapes, M = 1, 2, 4, 8, 16; then end to end.
 
-For each shape (seeded random bf16 weights, N(0, 0.02)) and each M it times, with CUDA graphs and
-enough weight copies in rotation that nothing is served from L2:
-  * ``cublas``     torch ``F.linear`` on the bf16 weights;
-  * ``bf16_tri``   the same Triton kernel as W12 reading plain bf16 (the fair baseline for the
-                   decode overhead), best of a small config sweep;
-  * ``w12``        the W12 kernel (PTX byte-permute decode), best of the same sweep;
-  * ``w12_ops``    the W12 kernel with the plain-Triton integer decode, best config of w12 (its
-                   output must equal ``w12`` bit for bit: same bits, same summation order).
-It checks each kernel against the fp64 product of the decoded weights (bound: half a bf16 ulp
-plus K·2^-23·Σ|x||w|), measures device copy bandwidth in the same run, reports each variant's
-fraction of the copy-bandwidth roofline (weight + activation bytes / copy bandwidth), the speedup
-of W12 over bf16_tri and cuBLAS, and per-layer totals (the four shapes summed). A failing variant
-is reported, not fatal. JSON to ``--out/w12_gpu.json`` (rewritten after every shape); the short
-table is printed last.
+1. Correctness first, at every shape and M: every variant's output against the fp64 product of
+   the decoded weights (bound: half a bf16 ulp + K·2^-23·Σ|x||w|), and the PTX decoders' outputs
+   bit for bit against the plain-op decoders' (same bits, same order).
+2. Timing, CUDA graphs of many calls with weight copies rotated past the 50 MB L2:
+   ``cublas`` (F.linear), ``bf16_dot`` (the tl.dot kernel reading bf16), ``bf16_gemv`` (the GEMV
+   reading bf16, M <= 4), ``v2`` (the previous W12 kernel and layout), ``v3_gemv`` (M <= 4) and
+   ``v3_dot``. Each Triton variant first sweeps a few configs (one graph each); then the best
+   config of every variant runs in ``--rounds`` interleaved rounds: medians with min-max spread.
+3. Bandwidth: bytes read / time per variant and a device copy (2 GiB) measured in the same run,
+   so each variant's fraction of the copy roofline is printed (``roof%``).
+4. Layer totals (the four shapes summed), W12 vs the better bf16 kernel (named), and a
+   replacement for ``kernels/w12_linear.py``'s ``CHOSEN`` table (the best v3 config per M by layer
+   total, with its measured roofline fraction: the cost model's W12 kernel efficiency).
+5. End to end (``--e2e``, default on the GPU): the engine's CUDA-graph forward of a seeded
+   Llama-3-8B-shaped bf16 target at width 1 (AR step) and 16 (verify-16), stock vs every decoder
+   matrix in W12 (the table as it is in the source), beside the cost-model prediction
+   ``stock − layers · Σ_shapes (t_cuBLAS(M) − t_W12(M))`` from step 2's medians.
 
-GPU:  ``PYTHONPATH=src python3 bench/w12_gpu.py --out DIR``            (< 2 min on an H200)
-CPU:  ``PYTHONPATH=src python3 bench/w12_gpu.py --out DIR --tiny``     (TRITON_INTERPRET=1, tiny)
+JSON to ``--out/w12_gpu.json`` (rewritten after every shape); the short table is printed last.
+
+GPU:  ``PYTHONPATH=src python3 bench/w12_gpu.py --out DIR``        (about 2-3 min on an H200)
+CPU:  ``PYTHONPATH=src python3 bench/w12_gpu.py --out DIR --tiny`` (TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
@@ -25,14 +30,11 @@ import argparse
 import json
 import math
 import os
-import sys
+import statistics
 import time
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,415 +43,298 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+from specpilot.bench.kernel_bench import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
-from specpilot.costmodel.hardware import copy_bandwidth
+from specpilot.costmodel.weight_format import predicted_w12_forward_s
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
-from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
+from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
+from specpilot.mechanisms.w12_format import decode, encode
 
-LLAMA3_8B = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
+MS = (1, 2, 4, 8, 16)
+ROTATE_BYTES = 400 << 20
+GEMV_SWEEP = (
+    GemvConfig(block_n=32, block_k=512, num_warps=4),
+    GemvConfig(block_n=64, block_k=512, num_warps=4),
+    GemvConfig(block_n=16, block_k=512, num_warps=4),
+    GemvConfig(block_n=32, block_k=256, num_warps=4, split_k=1),
+    GemvConfig(block_n=64, block_k=256, num_warps=8),
+)
+DOT_SWEEP = (
+    GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
+    GemmConfig(block_n=128, block_k=256, num_warps=4, num_stages=3),
+    GemmConfig(block_n=128, block_k=128, num_warps=4, num_stages=4),
+    GemmConfig(block_n=64, block_k=512, num_warps=4, num_stages=2),
+)
+V2_SWEEP = {  # the previous kernel's own best configs (docs/BENCHMARKS.md, W12 v2)
+    "m1": (GemmConfig(block_n=32, block_k=256, num_warps=4, use_dot=False),),
+    "m16": (GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),),
 }
-MS = (1, 2, 4, 8, 16, 32, 64)
-ROTATE_BYTES = 320 << 20
-"""Weight bytes in rotation per timed variant: several times the H200's 50 MB L2."""
-
-SWEEP: dict[str, tuple[GemmConfig, ...]] = {
-    "m1": (
-        GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=3, use_dot=False),
-        GemmConfig(block_n=16, block_k=512, num_warps=4, num_stages=3, use_dot=False),
-        GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=4, use_dot=False),
-        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
-    ),
-    "m16": (
-        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3),
-        GemmConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
-        GemmConfig(block_n=64, block_k=512, num_warps=8, num_stages=2),
-        GemmConfig(block_n=128, block_k=256, num_warps=8, num_stages=3),
-        GemmConfig(block_n=32, block_k=512, num_warps=4, num_stages=3),
-        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
-        GemmConfig(block_n=128, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
-        GemmConfig(block_n=64, block_k=512, num_warps=4, num_stages=2, w_as_a=True),
-    ),
-    "m64": (
-        GemmConfig(block_n=64, block_k=128, num_warps=4, num_stages=3),
-        GemmConfig(block_n=64, block_k=256, num_warps=8, num_stages=3),
-        GemmConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, w_as_a=True),
-    ),
+TINY = {
+    "gemv": (GemvConfig(block_n=16, block_k=64), GemvConfig(block_n=32, block_k=64, split_k=2)),
+    "dot": (GemmConfig(block_n=16, block_k=64), GemmConfig(block_n=32, block_k=64, split_k=2)),
 }
-TINY_SWEEP: dict[str, tuple[GemmConfig, ...]] = {
-    "m1": (GemmConfig(block_n=16, block_k=64, use_dot=False), GemmConfig(block_n=16, block_k=64)),
-    "m16": (
-        GemmConfig(block_n=16, block_k=64),
-        GemmConfig(block_n=32, block_k=64, split_k=2, w_as_a=True),
-    ),
-    "m64": (GemmConfig(block_n=32, block_k=64),),
-}
+W12_VARIANTS = ("v2", "v3_gemv", "v3_dot")
+BF16_VARIANTS = ("cublas", "bf16_dot", "bf16_gemv")
 
 
-def sweep_key(m: int) -> str:
-    return "m1" if m == 1 else "m16" if m <= 16 else "m64"
+def cfg_key(cfg: Any) -> str:
+    return f"{type(cfg).__name__}({', '.join(f'{k}={v}' for k, v in asdict(cfg).items())})"
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+def variant_calls(variant: str, cfg: Any, x: torch.Tensor, d: dict[str, Any]) -> list[Any]:
+    """One call per weight copy (rotated past L2)."""
+    if variant == "cublas":
+        return [partial(F.linear, x, w) for w in d["bf16"]]
+    if variant == "bf16_dot":
+        return [
+            partial(bf16_matmul, x, w, c, cfg=cfg) for w, c in zip(d["bf16"], d["cnt"], strict=True)
+        ]
+    if variant == "bf16_gemv":
+        return [
+            partial(bf16_gemv, x, w, c, cfg=cfg) for w, c in zip(d["bf16"], d["cnt"], strict=True)
+        ]
+    if variant == "v2":
+        return [
+            partial(w12_matmul, x, t, c, cfg=cfg) for t, c in zip(d["v2"], d["cnt"], strict=True)
+        ]
+    if variant == "v3_gemv":
+        return [partial(w12_gemv, x, t, c, cfg=cfg) for t, c in zip(d["v3"], d["cnt"], strict=True)]
+    return [partial(w12_matmul, x, t, c, cfg=cfg) for t, c in zip(d["v3"], d["cnt"], strict=True)]
 
 
-def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int) -> float:
-    """Seconds per call, the calls run round-robin ``reps`` times (CUDA graph when possible)."""
-    for c in calls:
-        c()
-    sync(dev)
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for c in calls:
-                c()
-        return (time.perf_counter() - t0) / (reps * len(calls))
-    n = reps * len(calls)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                for c in calls:
-                    c()
-        graph.replay()
-        sync(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        sync(dev)
-        return start.elapsed_time(end) / 1e3 / (3 * n)
-    except Exception:  # graph capture refused: plain launches (includes launch overhead)
-        torch.cuda.synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            for c in calls:
-                c()
-        end.record()
-        sync(dev)
-        return start.elapsed_time(end) / 1e3 / n
+def configs(variant: str, m: int, tiny: bool) -> tuple[Any, ...]:
+    if variant == "cublas":
+        return (None,)
+    if variant in ("bf16_gemv", "v3_gemv"):
+        return () if m > 4 else (TINY["gemv"] if tiny else GEMV_SWEEP)
+    if variant == "v2":
+        return (TINY["dot"][0],) if tiny else V2_SWEEP["m1" if m == 1 else "m16"]
+    return TINY["dot"] if tiny else DOT_SWEEP
 
 
-def kernel_bench_setup(
-    doc: str | None, budget_s: float, flags: Sequence[tuple[str, str]] = ()
-) -> tuple[argparse.Namespace, torch.device, float]:
-    """The kernel scripts' shared arguments (``--out --tiny --budget-s --rounds --reps
-    --no-e2e``, plus the script's own on/off ``flags``: (name, help)), the device (exits without
-    CUDA unless ``--tiny``: the interpreter) and the copy bandwidth measured now; ``--tiny``
-    takes one round of one rep."""
-    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
-    ap.add_argument("--budget-s", type=float, default=budget_s, help="stop sweeping after this")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=6, help="calls per copy in one timed graph")
-    ap.add_argument("--no-e2e", action="store_true")
-    for name, help_text in flags:
-        ap.add_argument(name, action="store_true", help=help_text)
-    args = ap.parse_args()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type != "cuda" and not args.tiny:
-        sys.exit("No CUDA GPU: run with --tiny (CPU, Triton interpreter).")
-    if args.tiny:
-        args.rounds, args.reps = 1, 1
-    args.out.mkdir(parents=True, exist_ok=True)
-    nbytes = (1 << 20) if args.tiny else (2 << 30)
-    return args, dev, max(copy_bandwidth(dev, nbytes) for _ in range(3))  # read + write, eager
-
-
-def error_ratio(
-    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, add: torch.Tensor | None = None
-) -> float:
-    """max |y - (x@w^T + add)| / bound, the exact result in fp64 (≤ 1 means within the stated
-    bound; ``add [M, N]``: a residual added before the one rounding)."""
-    xd, wd = x.double(), w.double()
-    z = xd @ wd.T  # [M, N]
-    if add is not None:
-        z = z + add.double()
-    k = x.shape[1]
-    bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (xd.abs() @ wd.abs().T) + 2.0**-133
-    return float(((y.double() - z).abs() / bound).max())
-
-
-@dataclass(slots=True)
-class ShapeData:
-    ws: list[torch.Tensor]  # copies of [N, K] bf16 (ws[0] is checked)
-    bf16_ws: list[torch.Tensor]  # the copies timed for bf16 variants
-    w12s: list[W12Tensor]  # W12 encodings of ws[: len(w12s)]
-    counters: list[torch.Tensor]  # one split-K counter buffer per copy
-
-
-def bench_m(
-    data: ShapeData,
-    x: torch.Tensor,  # [M, K] bf16
-    sweep: dict[str, tuple[GemmConfig, ...]],
-    best_cfg: dict[tuple[str, str], GemmConfig],
-    dev: torch.device,
-    copy_bw: float,
-    reps: int,
-    deadline: float,
-) -> dict[str, Any]:
-    """All variants at one M: time, best config, error ratio, roofline fraction."""
-    m, k = x.shape
-    n = data.ws[0].shape[0]
-    act_bytes = 2 * m * k + 2 * m * n
-    row: dict[str, Any] = {}
-
-    def record(variant: str, seconds: float, weight_bytes: float, **extra: Any) -> None:
-        row[variant] = {
-            "us": seconds * 1e6,
-            "roofline_frac": (weight_bytes + act_bytes) / copy_bw / seconds,
-            **extra,
-        }
-
-    try:
-        t = time_calls([partial(F.linear, x, w) for w in data.bf16_ws], dev, reps)
-        record("cublas", t, 2 * n * k)
-    except Exception as e:
-        row["cublas"] = {"error": f"{type(e).__name__}: {e}"}
-
-    key = sweep_key(m)
-    for variant in ("bf16_tri", "w12", "w12_ops"):
-        try:
-            if variant == "w12_ops":
-                cfgs: tuple[GemmConfig, ...] = (best_cfg.get(("w12", key)) or sweep[key][0],)
-            elif time.perf_counter() > deadline and (variant, key) in best_cfg:
-                cfgs = (best_cfg[(variant, key)],)  # out of time: no more sweeping
-            else:
-                cfgs = sweep[key]
-            results: list[tuple[float, GemmConfig]] = []
-            errors: list[str] = []
-            for cfg in cfgs:
-                if m != 1 and not cfg.use_dot:
-                    continue
-                try:
-                    if variant == "bf16_tri":
-                        calls = [
-                            partial(bf16_matmul, x, w, c, cfg=cfg)
-                            for w, c in zip(data.bf16_ws, data.counters, strict=False)
-                        ]
-                    else:
-                        calls = [
-                            partial(w12_matmul, x, t, c, cfg=cfg, prmt=variant == "w12")
-                            for t, c in zip(data.w12s, data.counters, strict=False)
-                        ]
-                    results.append((time_calls(calls, dev, reps), cfg))
-                except Exception as e:
-                    errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:300]}")
-            if not results:
-                row[variant] = {"error": "; ".join(errors) or "no config ran"}
-                continue
-            t, cfg = min(results, key=lambda r: r[0])
-            if variant != "w12_ops":
-                best_cfg[(variant, key)] = cfg
-            if variant == "bf16_tri":
-                y = bf16_matmul(x, data.ws[0], data.counters[0], cfg=cfg)
-                wbytes: float = 2 * n * k
-            else:
-                y = w12_matmul(x, data.w12s[0], data.counters[0], cfg=cfg, prmt=variant == "w12")
-                wbytes = data.w12s[0].nbytes()
-                if variant == "w12_ops" and "y" in row.get("w12", {}):
-                    row["prmt_equals_ops"] = bool(torch.equal(row["w12"].pop("y"), y))
-            record(
-                variant,
-                t,
-                wbytes,
-                config=asdict(cfg),
-                err_over_bound=error_ratio(y, x, data.ws[0]),
-                configs_tried=len(results),
-                config_errors=errors,
-            )
-            if variant == "w12":
-                row["w12"]["y"] = y  # compared with w12_ops below, then dropped
-        except Exception as e:
-            row[variant] = {
-                "error": f"{type(e).__name__}: {e}",
-                "trace": traceback.format_exc()[-1500:],
-            }
-    try:
-        row["cublas_err_over_bound"] = error_ratio(F.linear(x, data.ws[0]), x, data.ws[0])
-    except Exception as e:
-        row["cublas_err_over_bound"] = f"{type(e).__name__}: {e}"
-    row.get("w12", {}).pop("y", None)
-    for base in ("bf16_tri", "cublas"):
-        if "us" in row.get("w12", {}) and "us" in row.get(base, {}):
-            row[f"speedup_w12_vs_{base}"] = row[base]["us"] / row["w12"]["us"]
-    return row
-
-
-def bench_shape(
-    name: str,
-    n: int,
-    k: int,
-    ms: tuple[int, ...],
-    sweep: dict[str, tuple[GemmConfig, ...]],
-    dev: torch.device,
-    copy_bw: float,
-    reps: int,
-    deadline: float,
-) -> dict[str, Any]:
-    gen = torch.Generator(device=dev)
-    n_copies_bf16 = (
-        max(2, min(16, math.ceil(ROTATE_BYTES / (2 * n * k)))) if dev.type == "cuda" else 1
-    )
-    n_copies_w12 = (
-        max(2, min(24, math.ceil(ROTATE_BYTES / (1.5 * n * k)))) if dev.type == "cuda" else 1
-    )
-    ws: list[torch.Tensor] = []
-    for i in range(max(n_copies_bf16, n_copies_w12)):
-        gen.manual_seed(1000 * i + n + k)
-        ws.append((0.02 * torch.randn(n, k, generator=gen, device=dev)).to(torch.bfloat16))
-    w12s: list[W12Tensor] = []
-    for w in ws[:n_copies_w12]:
-        t = encode(w)
-        if not torch.equal(decode(t).view(torch.int16), w.view(torch.int16)):
-            raise RuntimeError(f"{name}: W12 round trip is not bit-exact")
-        w12s.append(t)
-    counters = [counter_buffer(n, dev) for _ in range(max(n_copies_bf16, n_copies_w12))]
-    bf16_ws = ws[:n_copies_bf16]
-    w12_bits = 8.0 * w12s[0].nbytes() / (n * k)
-    shape_out: dict[str, Any] = {
-        "N": n,
-        "K": k,
-        "w12_bits_per_weight": w12_bits,
-        "w12_escapes": w12s[0].num_escapes,
-        "copies": {"bf16": n_copies_bf16, "w12": n_copies_w12},
-        "rows": {},
-    }
-    best_cfg: dict[tuple[str, str], GemmConfig] = {}
-    for m in ms:
-        gen.manual_seed(7 + m)
-        x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)  # [M, K]
-        data = ShapeData(ws, bf16_ws, w12s, counters)
-        shape_out["rows"][str(m)] = bench_m(data, x, sweep, best_cfg, dev, copy_bw, reps, deadline)
-    del ws, w12s, bf16_ws
-    return shape_out
-
-
-def summarize(shapes: dict[str, Any], ms: tuple[int, ...]) -> dict[str, Any]:
-    """Per-M layer totals (sum over the shapes) and speedups."""
-    out: dict[str, Any] = {}
-    for m in ms:
-        tot: dict[str, float] = {}
-        for variant in ("cublas", "bf16_tri", "w12", "w12_ops"):
-            us = [s["rows"].get(str(m), {}).get(variant, {}).get("us") for s in shapes.values()]
-            if us and all(u is not None for u in us):
-                tot[variant] = float(sum(us))
-        entry: dict[str, Any] = {"layer_us": tot}
-        if "w12" in tot:
-            for base in ("bf16_tri", "cublas"):
-                if base in tot:
-                    entry[f"speedup_w12_vs_{base}"] = tot[base] / tot["w12"]
-        out[str(m)] = entry
+def check(variant: str, cfg: Any, x: torch.Tensor, d: dict[str, Any]) -> dict[str, Any]:
+    """Error ratio against fp64, and PTX == plain-op decode for the W12 variants."""
+    y = variant_calls(variant, cfg, x, d)[0]()
+    out: dict[str, Any] = {"err_over_bound": error_ratio(y, x, d["bf16"][0])}
+    if variant == "v3_gemv":
+        out["ptx_equals_ops"] = bool(torch.equal(y, w12_gemv(x, d["v3"][0], d["cnt"][0], cfg=cfg, ptx=False)))  # fmt: skip
+    elif variant in ("v2", "v3_dot"):
+        t = d["v2" if variant == "v2" else "v3"][0]
+        out["ptx_equals_ops"] = bool(torch.equal(y, w12_matmul(x, t, d["cnt"][0], cfg=cfg, prmt=False)))  # fmt: skip
     return out
 
 
-def table(result: dict[str, Any]) -> str:
-    lines = [
-        f"W12 GEMM  device={result['device']}  copy={result['copy_bw_TBps']:.2f} TB/s  "
-        f"commit={result['commit']}  {result['date']}",
-        f"{'shape':>8} {'M':>3} {'cublas':>8} {'bf16tri':>8} {'w12':>8} {'w12ops':>8} "
-        f"{'x/tri':>6} {'x/cub':>6} {'roof%':>6} {'err/bd':>7} {'=ops':>4} bits",
-    ]
+def bench_shape(n: int, k: int, dev: torch.device, args: argparse.Namespace, copy_bw: float,
+                deadline: float) -> dict[str, Any]:  # fmt: skip
+    cuda = dev.type == "cuda"
+    copies = max(2, min(16, math.ceil(ROTATE_BYTES / (2 * n * k)))) if cuda else 1
+    gen = torch.Generator(device=dev)
+    d: dict[str, Any] = {"bf16": [], "v2": [], "v3": [], "cnt": []}
+    for i in range(copies):
+        gen.manual_seed(1000 * i + n + k)
+        w = (0.02 * torch.randn(n, k, generator=gen, device=dev)).to(torch.bfloat16)
+        for layout in ("v2", "v3"):
+            t = encode(w, layout)
+            if not torch.equal(decode(t).view(torch.int16), w.view(torch.int16)):
+                raise RuntimeError(f"{layout} round trip is not bit-exact at {n}x{k}")
+            d[layout].append(t)
+        d["bf16"].append(w)
+        d["cnt"].append(counter_buffer(n, dev))
+    t0 = d["v3"][0]
+    out: dict[str, Any] = {"N": n, "K": k, "copies": copies, "bits_per_weight": t0.bits_per_weight(),
+                           "escapes": t0.num_escapes, "rows": {}}  # fmt: skip
+    for m in args.ms:
+        gen.manual_seed(7 + m)
+        x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
+        w12_bytes = t0.stream_bytes() + 8 * t0.num_escapes
+        act = 2 * m * k + 2 * m * n
+        row: dict[str, Any] = {}
+        best: dict[str, Any] = {}
+        for variant in BF16_VARIANTS + W12_VARIANTS:
+            sweep: dict[str, float] = {}
+            errors: list[str] = []
+            for cfg in configs(variant, m, args.tiny):
+                if sweep and time.perf_counter() > deadline:
+                    break  # out of time: keep what was swept
+                try:
+                    sweep[cfg_key(cfg) if cfg else "F.linear"] = time_calls(
+                        variant_calls(variant, cfg, x, d), dev, args.reps
+                    )
+                    if not best.get(variant) or sweep[cfg_key(cfg) if cfg else "F.linear"] < best[variant][1]:  # fmt: skip
+                        best[variant] = (cfg, sweep[cfg_key(cfg) if cfg else "F.linear"])
+                except Exception as e:
+                    errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:300]}")
+            if variant in best:
+                cfg = best[variant][0]
+                row[variant] = {"config": asdict(cfg) if cfg else None, "sweep_us": {
+                    key: 1e6 * s for key, s in sweep.items()}, "config_errors": errors}  # fmt: skip
+                try:
+                    row[variant] |= check(variant, cfg, x, d)
+                except Exception as e:
+                    row[variant]["check_error"] = f"{type(e).__name__}: {e}"[:400]
+            elif errors:
+                row[variant] = {"error": "; ".join(errors)[:1500]}
+        rounds: dict[str, list[float]] = {v: [] for v in best}
+        for _ in range(args.rounds):  # interleaved: every variant once per round
+            for v, (cfg, _t) in best.items():
+                rounds[v].append(time_calls(variant_calls(v, cfg, x, d), dev, args.reps))
+        for v, ts in rounds.items():
+            med = statistics.median(ts)
+            wbytes = w12_bytes if v in W12_VARIANTS else 2 * n * k
+            row[v] |= {"us": 1e6 * med, "us_min": 1e6 * min(ts), "us_max": 1e6 * max(ts),
+                       "TBps": (wbytes + act) / med / 1e12,
+                       "roofline_frac": (wbytes + act) / med / copy_bw}  # fmt: skip
+        out["rows"][str(m)] = row
+    return out
 
-    def us(row: dict[str, Any], v: str) -> str:
-        e = row.get(v, {})
-        return f"{e['us']:8.1f}" if "us" in e else f"{'ERR':>8}"
 
-    for sname, s in result["shapes"].items():
+def summarize(shapes: dict[str, Any], ms: tuple[int, ...], copy_bw: float) -> dict[str, Any]:
+    """Layer totals per M, the ratio W12/bf16 against the better bf16 kernel, the best v3 table."""
+    summ: dict[str, Any] = {}
+    for m in ms:
+        rows = [s["rows"][str(m)] for s in shapes.values()]
+        tot = {v: sum(r[v]["us"] for r in rows) for v in BF16_VARIANTS + W12_VARIANTS
+               if all("us" in r.get(v, {}) for r in rows)}  # fmt: skip
+        e: dict[str, Any] = {"layer_us": tot}
+        bf = {v: t for v, t in tot.items() if v in BF16_VARIANTS}
+        w12 = {v: t for v, t in tot.items() if v in ("v3_gemv", "v3_dot")}
+        if bf and w12:
+            bb, bw = min(bf, key=lambda v: bf[v]), min(w12, key=lambda v: w12[v])
+            e |= {"best_bf16": bb, "best_w12": bw, "speedup": bf[bb] / w12[bw],
+                  "speedup_vs": {v: t / w12[bw] for v, t in bf.items()}}  # fmt: skip
+            if "v2" in tot:
+                e["v3_over_v2"] = tot["v2"] / w12[bw]
+            # the config of the table: the swept config with the lowest sum over the shapes
+            sweeps = [r[bw]["sweep_us"] for r in rows]
+            common = set.intersection(*(set(s) for s in sweeps))
+            if common:
+                key = min(common, key=lambda c: sum(s[c] for s in sweeps))
+                byts = sum((s["N"] * s["K"] * 1.5 + 2 * m * (s["N"] + s["K"])) for s in shapes.values())  # fmt: skip
+                e["table"] = {"kernel": "gemv" if bw == "v3_gemv" else "dot", "config": key,
+                              "roofline_frac": byts / (1e-6 * sum(s[key] for s in sweeps)) / copy_bw}  # fmt: skip
+        summ[str(m)] = e
+    return summ
+
+
+def e2e(dev: torch.device, kernel: dict[str, Any], tiny: bool) -> dict[str, Any]:
+    """Forward times of the engine (CUDA graphs) at widths 1 and 16, stock vs W12."""
+    import random
+
+    from specpilot.bench.gpu_suite import _verify_engine
+    from specpilot.mechanisms.w12 import install
+    from specpilot.synthetic import build_target
+
+    target = build_target("tiny-llama" if tiny else "llama3-8b", dev, torch.bfloat16, max_positions=2048)  # fmt: skip
+    rng = random.Random(0)
+    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(64)]
+    iters = 1 if tiny else 20
+    stock = {w: _verify_engine(target, prompt, 16).time_forward(w, iters) for w in (1, 16)}
+    stats = install(target, layers="all", max_m=64)
+    w12 = {w: _verify_engine(target, prompt, 16).time_forward(w, iters) for w in (1, 16)}
+    out: dict[str, Any] = {"bits_per_weight": stats["bits_per_weight"], "widths": {}}
+    for w in (1, 16):
+        row = kernel.get(str(w), {}).get("layer_us", {})
+        pred = None
+        if "cublas" in row and "best_w12" in kernel.get(str(w), {}):
+            saving = (
+                target.cfg.num_layers * (row["cublas"] - row[kernel[str(w)]["best_w12"]]) * 1e-6
+            )
+            pred = stock[w] - saving
+        eff = kernel.get(str(w), {}).get("table", {}).get("roofline_frac")
+        cm = None
+        if eff and "cublas" in row and not tiny:  # the cost model at the measured efficiency
+            cub = [kernel["_shapes"][s]["rows"][str(w)]["cublas"]["us"] * 1e-6 for s in LLAMA3_8B]
+            cm = predicted_w12_forward_s(stock[w], target.cfg.num_layers, LLAMA3_8B.values(), w,
+                                         cub, kernel["_copy_bw"], eff)  # fmt: skip
+        out["widths"][str(w)] = {"costmodel_w12_ms": None if cm is None else 1e3 * cm,
+                                 "stock_ms": 1e3 * stock[w], "w12_ms": 1e3 * w12[w],
+                                 "speedup": stock[w] / w12[w],
+                                 "predicted_w12_ms": None if pred is None else 1e3 * pred,
+                                 "predicted_speedup": None if pred is None else stock[w] / pred}  # fmt: skip
+    return out
+
+
+def table(res: dict[str, Any]) -> str:
+    lines = [f"W12 v3  {res['device']}  copy {res['copy_TBps']:.2f} TB/s  commit {res['commit']}  {res['date']}",
+             f"{'shape':>8} {'M':>3} " + " ".join(f"{v:>9}" for v in BF16_VARIANTS + W12_VARIANTS)
+             + "   roof% (v3 best)  err/bd  ptx=ops"]  # fmt: skip
+    for sname, s in res["shapes"].items():
         if "error" in s:
-            lines.append(f"{sname:>8} ERROR {s['error'][:100]}")
+            lines.append(f"{sname:>8} ERROR {s['error'][:120]}")
             continue
         for m, row in s["rows"].items():
-            w = row.get("w12", {})
-            sp1 = row.get("speedup_w12_vs_bf16_tri")
-            sp2 = row.get("speedup_w12_vs_cublas")
-            errs = [
-                row.get(v, {}).get("err_over_bound", 0.0) for v in ("bf16_tri", "w12", "w12_ops")
-            ]
-            same = {True: "yes", False: "NO"}.get(row.get("prmt_equals_ops"), "-")
+            us = [f"{row[v]['us']:9.1f}" if "us" in row.get(v, {}) else f"{'-':>9}" for v in BF16_VARIANTS + W12_VARIANTS]  # fmt: skip
+            v3 = [row[v] for v in ("v3_gemv", "v3_dot") if "us" in row.get(v, {})]
+            b = min(v3, key=lambda r: r["us"]) if v3 else {}
+            errs = [row[v].get("err_over_bound", 0.0) for v in row if isinstance(row[v], dict)]
+            same = all(row[v].get("ptx_equals_ops", True) for v in row if isinstance(row[v], dict))
+            lines.append(f"{sname:>8} {m:>3} {' '.join(us)}   {100 * b.get('roofline_frac', float('nan')):6.1f}"
+                         f"          {max(errs):6.3f}  {'yes' if same else 'NO'}")  # fmt: skip
+    lines.append("layer totals (4 shapes): W12 v3 best vs the better bf16 kernel")
+    for m, e in res.get("summary", {}).items():
+        if "speedup" in e:
+            vs = "  ".join(f"vs {v} x{r:.3f}" for v, r in e["speedup_vs"].items())
+            lines.append(f"  M={m:>2}  {e['best_w12']} {e['layer_us'][e['best_w12']]:.1f} us  x{e['speedup']:.3f} vs {e['best_bf16']}"
+                         f"  ({vs}; v3/v2 x{e.get('v3_over_v2', float('nan')):.2f})")  # fmt: skip
+    lines.append("proposed kernels/w12_linear.py CHOSEN (best v3 config per M by layer total):")
+    for m, e in res.get("summary", {}).items():
+        if "table" in e:
+            t = e["table"]
             lines.append(
-                f"{sname:>8} {m:>3} {us(row, 'cublas')} {us(row, 'bf16_tri')} {us(row, 'w12')} "
-                f"{us(row, 'w12_ops')} {sp1 if sp1 else float('nan'):6.3f} "
-                f"{sp2 if sp2 else float('nan'):6.3f} "
-                f"{100 * w.get('roofline_frac', float('nan')):6.1f} {max(errs):7.3f} {same:>4} "
-                f"{s['w12_bits_per_weight']:.3f}"
+                f"  M<={m:>2}: {t['kernel']:4s} {t['config']}  roofline_frac={t['roofline_frac']:.3f}"
             )
-    lines.append("layer totals (sum over the shapes):")
-    for m, e in result["summary"].items():
-        sp1 = e.get("speedup_w12_vs_bf16_tri", float("nan"))
-        sp2 = e.get("speedup_w12_vs_cublas", float("nan"))
-        tot = e["layer_us"]
-        lines.append(
-            f"  M={m:>2}  w12 {tot.get('w12', float('nan')):8.1f} us  "
-            f"vs bf16_tri x{sp1:.3f}  vs cublas x{sp2:.3f}"
-        )
+    for w, r in res.get("e2e", {}).get("widths", {}).items():
+        p = r["predicted_speedup"]
+        cm = r["costmodel_w12_ms"]
+        cm_s = f"  cost model {r['stock_ms'] / cm:.3f}x" if cm else ""
+        lines.append(f"e2e forward width {w:>2}: stock {r['stock_ms']:.3f} ms  W12 {r['w12_ms']:.3f} ms  "
+                     f"x{r['speedup']:.3f}  predicted (kernel times) x{p:.3f}{cm_s}" if p else f"e2e width {w}: x{r['speedup']:.3f}")  # fmt: skip
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, TRITON_INTERPRET=1)")
-    ap.add_argument("--budget-s", type=float, default=90.0, help="stop sweeping configs after this")
-    args = ap.parse_args()
     started = time.perf_counter()
-    deadline = started + args.budget_s
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.tiny:
-        shapes = {"a": (48, 64), "b": (32, 96)}
-        ms: tuple[int, ...] = (1, 3, 17)
-        sweep, reps, copy_bytes = TINY_SWEEP, 1, 1 << 20
-    else:
-        shapes, ms, sweep, reps, copy_bytes = LLAMA3_8B, MS, SWEEP, 4, 1 << 30
-    if dev.type != "cuda" and not args.tiny:
-        sys.exit("No CUDA GPU: run with --tiny (CPU, Triton interpreter).")
-    args.out.mkdir(parents=True, exist_ok=True)
-    bw = copy_bandwidth(dev, copy_bytes)
-    result: dict[str, Any] = {
+    args, dev, copy_bw = kernel_bench_setup(__doc__, 110.0)
+    shapes = {"a": (32, 128)} if args.tiny else LLAMA3_8B
+    args.ms = (1, 3) if args.tiny else MS
+    res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
-        "commit": git_rev(),
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "copy_bw_TBps": bw / 1e12,
-        "ms": list(ms),
-        "shapes": {},
-        "notes": "seeded N(0, 0.02) bf16 weights; CUDA-graph timing with weight copies rotated "
-        "past L2; roofline = (weight + x + y bytes) / measured copy bandwidth",
-    }
-    try:
-        import triton
+        "commit": git_rev(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__, "copy_TBps": copy_bw / 1e12, "ms": list(args.ms), "shapes": {},
+        "notes": "seeded N(0, 0.02) bf16 weights; CUDA graphs, weight copies rotated past L2; "
+        "medians of interleaved rounds of each variant's best swept config; roofline = (weight + "
+        "x + y bytes) / time / copy bandwidth (2 GiB device copy, read + write)",
+    }  # fmt: skip
+    import triton
 
-        result["triton"] = triton.__version__
-    except ImportError:
-        pass
+    res["triton"] = triton.__version__
     path = args.out / "w12_gpu.json"
+    deadline = started + args.budget_s
     for sname, (n, k) in shapes.items():
         t0 = time.perf_counter()
-        result["shapes"][sname] = guarded(
-            lambda sname=sname, n=n, k=k: bench_shape(
-                sname, n, k, ms, sweep, dev, bw, reps, deadline
+        res["shapes"][sname] = guarded(
+            lambda n=n, k=k: bench_shape(n, k, dev, args, copy_bw, deadline), 2000
+        )
+        res["shapes"][sname]["seconds"] = time.perf_counter() - t0
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        ok = {s: v for s, v in res["shapes"].items() if "error" not in v}
+        res["summary"] = summarize(ok, args.ms, copy_bw) if len(ok) == len(shapes) else {}
+        res["wall_s"] = time.perf_counter() - started
+        path.write_text(json.dumps(res, indent=1))
+    if not args.no_e2e:
+        res["e2e"] = guarded(
+            lambda: e2e(
+                dev, {**res["summary"], "_shapes": res["shapes"], "_copy_bw": copy_bw}, args.tiny
             ),
             2000,
         )
-        result["shapes"].get(sname, {})["seconds"] = time.perf_counter() - t0
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        ok = {s: v for s, v in result["shapes"].items() if "error" not in v}
-        result["summary"] = summarize(ok, ms) if len(ok) == len(shapes) else {}
-        result["wall_s"] = time.perf_counter() - started
-        path.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    print(f"wrote {path} ({result['wall_s']:.0f} s)")
+    res["wall_s"] = time.perf_counter() - started
+    path.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ efficiency (not from the bare 12/16 byte ratio).
 A W12 GEMV/GEMM of M rows streams ``N · Kp · 1.5`` bytes of weight planes plus the activations;
 its time is those bytes over ``bandwidth × efficiency``, where ``efficiency`` is the fraction of
 the measured copy bandwidth the W12 kernel reached at that M (``roofline_frac`` in
-``kernels/w12_linear.py``'s ``CHOSEN`` table, written from ``bench/w12_v3_gpu.py``). An unmeasured
+``kernels/w12_linear.py``'s ``CHOSEN`` table, written from ``bench/w12_gpu.py``). An unmeasured
 table entry gives no prediction (None) rather than an optimistic one. The saving of a forward is
 ``layers · Σ_shapes (t_bf16 − t_W12)``; ``predicted_w12_forward_s`` subtracts it from a measured
 stock forward, as the GPU bench's end-to-end check does with measured kernel times.

@@ -19,6 +19,7 @@ accepted: it reads the committed state.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -44,6 +45,22 @@ class DeviceRows(Protocol):
 
     @property
     def capacity(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A prompt segment the target just ran for rows ``first_row .. first_row + rows - 1``
+    (eagerly, between cycles); what a drafter's ``prefill`` is handed."""
+
+    first_row: int
+    tokens: Tensor  # [b, T] int64 on the device
+    start: Tensor  # [b] int64 on the device: slot of each row's first segment token
+    attn_len: int  # attention length the target's forward over the segment used
+    hidden: Tensor | None = None  # [len(hidden_layers), b, T, hidden] the target's states
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
 
 
 class DraftRows(Protocol):
@@ -109,15 +126,7 @@ class Drafter(Protocol):
         """The batch was (re)allocated: size caches and buffers for it."""
         ...
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,  # [b, T] int64 on the device: a prompt segment of rows first_row..+b
-        start: Tensor,  # [b] int64 on the device: slot of each row's first segment token
-        attn_len: int,  # attention length the target's forward over the segment used
-        hidden: Tensor | None,  # [len(hidden_layers), b, T, hidden] the target's states
-    ) -> None:
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
         """The target just ran a prompt segment of these rows (eagerly, between cycles); a
         segment at slot 0 starts a new sequence in its row."""
         ...
@@ -149,15 +158,7 @@ class HostDrafter:
     def bind(self, rows: DraftRows) -> None:
         return None
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,
-        start: Tensor,
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
         return None
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:

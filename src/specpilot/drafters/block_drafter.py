@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
-from specpilot.drafters.base import DraftRows
+from specpilot.drafters.base import DraftRows, Segment
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layer import DecoderLayer
@@ -115,17 +115,9 @@ class BlockDrafter:
         for i, layer in enumerate(self.fwd.layers):
             self.fwd.write_kv(layer, ctx, cache.k[i], cache.v[i], lay)
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,
-        start: Tensor,
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
-        assert hidden is not None and self.cache is not None
-        self._write_context(hidden, start, self.cache.slice(first_row, tokens.shape[0]))
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
+        assert seg.hidden is not None and self.cache is not None
+        self._write_context(seg.hidden, seg.start, self.cache.slice(seg.first_row, seg.rows))
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         return None

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import DraftRows
+from specpilot.drafters.base import DraftRows, Segment
 from specpilot.models.dflash import DFlashNet, positions_of
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
@@ -73,18 +73,10 @@ class DFlashDrafter:
             st.cfg, rows.state.batch_size, rows.state.capacity, st.dtype, st.device
         )
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,  # [b, T]
-        start: Tensor,  # [b]
-        attn_len: int,
-        hidden: Tensor | None,  # [n_sel, b, T, H]
-    ) -> None:
-        assert hidden is not None and self.cache is not None
-        cache = self.cache.slice(first_row, tokens.shape[0])
-        self.net.write_context(self.fwd, hidden.to(self.net.dtype), start, cache)
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
+        assert seg.hidden is not None and self.cache is not None
+        cache = self.cache.slice(seg.first_row, seg.rows)
+        self.net.write_context(self.fwd, seg.hidden.to(self.net.dtype), seg.start, cache)
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         return None

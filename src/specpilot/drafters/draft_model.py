@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import DraftRows
+from specpilot.drafters.base import DraftRows, Segment
 from specpilot.errors import IncompatibleDrafterError
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
@@ -83,17 +83,10 @@ class DraftModelDrafter:
         st = rows.state
         self.cache = self.model.allocate_cache(st.batch_size, st.capacity)
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,
-        start: Tensor,
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
         assert self.cache is not None
-        self.fwd.dense(tokens, self.cache.slice(first_row, tokens.shape[0]), start, attn_len)
+        cache = self.cache.slice(seg.first_row, seg.rows)
+        self.fwd.dense(seg.tokens, cache, seg.start, seg.attn_len)
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         return None
@@ -103,7 +96,7 @@ class DraftModelDrafter:
         (its cache holds slots below ``since - 2``; a cycle feeds the last two itself), one
         eager forward per row (drafting resumes rarely)."""
         refeed_committed(
-            rows, which, since, lambda row, t, s, n: self.prefill(rows, row, t, s, n, None)
+            rows, which, since, lambda row, t, s, n: self.prefill(rows, Segment(row, t, s, n))
         )
 
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import DraftRows
+from specpilot.drafters.base import DraftRows, Segment
 from specpilot.models.eagle3 import Eagle3Net
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
@@ -84,15 +84,9 @@ class Eagle3Drafter:
     def _layout(self, start: Tensor, t: int, attn_len: int) -> DenseLayout:
         return DenseLayout.build(start, t, attn_len, self.fwd.groups, self.net.dtype, True)
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,  # [b, T]
-        start: Tensor,  # [b]
-        attn_len: int,
-        hidden: Tensor | None,  # [3, b, T, H_t]
-    ) -> None:
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
+        first_row, tokens, start, hidden = seg.first_row, seg.tokens, seg.start, seg.hidden
+        attn_len = seg.attn_len
         assert hidden is not None and self.cache is not None
         assert self.out_tail is not None and self.feat_tail is not None
         net, st, b, t = self.net, rows.state, tokens.shape[0], tokens.shape[1]

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter, DraftRows, gateable
+from specpilot.drafters.base import Drafter, DraftRows, Segment, gateable
 
 SIM_LABEL = "simulated acceptance"
 STRATUM = 64
@@ -209,19 +209,11 @@ class SimulatedAcceptance:
         self.divergences = 0
         self.reference_runs = 0
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,
-        start: Tensor,
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
         """The inner drafter sees the segment; these rows' oracles are forgotten (``admitted``
         computes them). Their acceptance schedules go on from the shared cycle counter."""
-        self.inner.prefill(rows, first_row, tokens, start, attn_len, hidden)
-        for row in range(first_row, first_row + tokens.shape[0]):
+        self.inner.prefill(rows, seg)
+        for row in range(seg.first_row, seg.first_row + seg.rows):
             self._host[row] = [-1] * len(self._host[row])
             self._covered[row] = 0
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from torch import Tensor
-
-from specpilot.drafters.base import Drafter, DraftRows, gateable
+from specpilot.drafters.base import Drafter, DraftRows, Segment, gateable
 
 
 class WrappedDrafter:
@@ -37,16 +35,8 @@ class WrappedDrafter:
     def bind(self, rows: DraftRows) -> None:
         self.inner.bind(rows)
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,
-        start: Tensor,
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
-        self.inner.prefill(rows, first_row, tokens, start, attn_len, hidden)
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
+        self.inner.prefill(rows, seg)
 
     def admitted(self, rows: DraftRows, which: Sequence[int]) -> None:
         self.inner.admitted(rows, which)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specpilot.drafters.base import Segment
 from specpilot.errors import PromptTooLongError
 
 if TYPE_CHECKING:
@@ -127,5 +128,5 @@ def _prefill_run(
         st.draft_lens[row] = 0
         st.accepted[row] = 0
     if drafter is not None:
-        drafter.prefill(engine, r0, tokens, start, attn_len, hidden)
+        drafter.prefill(engine, Segment(r0, tokens, start, attn_len, hidden))
     return out

@@ -14,7 +14,7 @@ measured copy bandwidth that choice reached on the H200 (``roofline_frac``: the 
 (``costmodel.hardware.copy_bandwidth``). The GEMV rows (M <= 2) are the tiling
 ``bench/gemv_sweep_gpu.py`` found best over 270 tilings on the H200 (2026-12-02, docs/BENCHMARKS.md,
 "Sixth session": 16 rows × 1024 columns, 4 warps, within 0-7% of each shape's own best); the
-``dot`` rows are ``bench/w12_v3_gpu.py``'s proposal of 2026-12-01, their fractions rescaled from
+``dot`` rows are ``bench/w12_gpu.py``'s proposal of 2026-12-01, their fractions rescaled from
 that script's graph-captured copy probe (2.71 TB/s) to the eager one (4.29 TB/s), not
 re-measured. M above 16 is not measured (``roofline_frac=None``).
 """

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specpilot.drafters.base import Drafter, DraftRows
+from specpilot.drafters.base import Drafter, DraftRows, Segment
 from specpilot.drafters.draft_model import refeed_committed
 from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.models.forward import Forward
@@ -102,17 +102,9 @@ class DeviceTwoLevelDrafter(WrappedDrafter):
         self.cache = self.cheap.allocate_cache(st.batch_size, st.capacity)
         self.counts = torch.zeros(len(COUNTS), dtype=torch.int64, device=st.tokens.device)
 
-    def prefill(
-        self,
-        rows: DraftRows,
-        first_row: int,
-        tokens: Tensor,  # [b, T] a prompt segment of rows first_row..
-        start: Tensor,  # [b] slot of each row's first segment token
-        attn_len: int,
-        hidden: Tensor | None,
-    ) -> None:
-        super().prefill(rows, first_row, tokens, start, attn_len, hidden)
-        self._feed(first_row, tokens, start, attn_len)
+    def prefill(self, rows: DraftRows, seg: Segment) -> None:
+        super().prefill(rows, seg)
+        self._feed(seg.first_row, seg.tokens, seg.start, seg.attn_len)
 
     def _feed(self, first_row: int, tokens: Tensor, start: Tensor, attn_len: int) -> None:
         """Cheap K/V of ``tokens [b, T]`` at slots ``start + t`` of rows ``first_row..``."""
