@@ -77,3 +77,11 @@ def run_interpreted(args: list[str], timeout: int = 240) -> str:
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random HF model directory (vocabulary 10, seed 0), one per test module."""
+    from test_cli import tiny_dir
+
+    return tiny_dir(tmp_path_factory.mktemp("tiny") / "model")

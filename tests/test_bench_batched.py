@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,30 +16,14 @@ from specpilot.cli import main
 from specpilot.drafters import NgramDrafter
 from specpilot.engine import Engine, Scheduler
 from specpilot.engine.config import DeploymentSpec, EngineConfig
-from test_cli import tiny_dir
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
-    made these tests up to 100x slower; the caller's setting comes back afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("bench-batched") / "model")
-
-
-def test_bench_batched_end_to_end(model, tmp_path, capsys):
+def test_bench_batched_end_to_end(model_dir, tmp_path, capsys):
     """Two concurrencies, Poisson arrivals, adaptive-block from an engine config; three counted
     rounds per concurrency, each a per-round ratio; every output token-forced and equal to AR."""
     engine = tmp_path / "engine.json"
     EngineConfig(
-        DeploymentSpec(target=str(model), drafter="ngram", device="cpu", mode="batched"),
+        DeploymentSpec(target=str(model_dir), drafter="ngram", device="cpu", mode="batched"),
         k=4,
         drafter_knobs={"max_n": 3, "min_n": 1},
         mechanisms={"adaptive-block": {}},
@@ -68,8 +51,8 @@ def test_bench_batched_end_to_end(model, tmp_path, capsys):
         assert lv["spec_latency_s"]["p50"] <= lv["spec_latency_s"]["p99"]
 
 
-def test_bench_batched_simulated_acceptance_is_labelled(model, tmp_path, capsys):
-    argv = ["bench", "--mode", "batched", "--target", str(model), "--device", "cpu"]
+def test_bench_batched_simulated_acceptance_is_labelled(model_dir, tmp_path, capsys):
+    argv = ["bench", "--mode", "batched", "--target", str(model_dir), "--device", "cpu"]
     argv += ["--drafter", "ngram", "--simulate-acceptance", "tau=3,block=5", "--concurrency", "2"]
     argv += ["--requests", "3", "--limit", "2", "--max-new-tokens", "10"]
     code = main([*argv, "--out", str(tmp_path / "runs.jsonl")])
@@ -108,9 +91,9 @@ def test_measure_stream_alternates_and_reuses_the_schedulers():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("sim", [False, True])
-def test_bench_batched_on_cuda_graphs(sim, model, tmp_path, capsys):
+def test_bench_batched_on_cuda_graphs(sim, model_dir, tmp_path, capsys):
     """Both arms on CUDA graphs (the default on CUDA), fp32: identical to batched AR, forced."""
-    argv = ["bench", "--mode", "batched", "--target", str(model), "--device", "cuda", "-k", "4"]
+    argv = ["bench", "--mode", "batched", "--target", str(model_dir), "--device", "cuda", "-k", "4"]
     argv += ["--concurrency", "2,4", "--requests", "8", "--limit", "4", "--max-new-tokens", "24"]
     argv += ["--max-context", "1024", "--json", "--out", str(tmp_path / "runs.jsonl")]
     if sim:

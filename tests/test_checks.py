@@ -9,12 +9,7 @@ from pathlib import Path
 import pytest
 
 from specpilot.cli import main
-from test_cli import assert_one_line_error, run_cli, tiny_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("tiny") / "model")
+from test_cli import assert_one_line_error, run_cli
 
 
 @pytest.fixture

@@ -20,11 +20,6 @@ def tiny_dir(root: Path, vocab: int = 10, seed: int = 0) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()

@@ -11,7 +11,6 @@ from specpilot.cli import main
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import Applicability, Knob, Mechanism
-from test_cli import model_dir, tiny_dir  # noqa: F401  (fixture)
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -62,7 +61,7 @@ def test_knobs_and_applicability() -> None:
         )
 
 
-def test_generate_reads_engine_file(model_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: F811
+def test_generate_reads_engine_file(model_dir: Path, tmp_path: Path, capsys) -> None:
     cfg = EngineConfig(DeploymentSpec(target=str(model_dir), drafter="ngram", device="cpu"), k=3)
     cfg.save(tmp_path / "tuned.json")
     code = main(

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from specpilot.commands import bench as bench_cmd
 from specpilot.commands.feedback import Feedback
 from specpilot.consoles import UNWRAPPED_WIDTH, result_console
-from test_cli import run_cli, tiny_dir
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("tiny") / "model")
+from test_cli import run_cli
 
 
 def phase_lines(err: str) -> list[str]:

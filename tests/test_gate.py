@@ -18,7 +18,6 @@ from specpilot.engine import Engine, generate
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.engine.gate import GateSettings, SpecGate
 from specpilot.errors import SpecPilotError
-from test_cli import model_dir, tiny_dir  # noqa: F401  (fixture)
 
 
 def _gate(**kw: object) -> SpecGate:
@@ -161,7 +160,7 @@ def test_a_draft_model_catches_up_after_ar_steps(seed: int) -> None:
         assert stats.accepted[i] == n, f"draft position {i}: {stats.accepted[i]}/{n} accepted"
 
 
-def test_the_build_gates_the_stock_engine_by_default(model_dir: Path) -> None:  # noqa: F811
+def test_the_build_gates_the_stock_engine_by_default(model_dir: Path) -> None:
     from specpilot.engine.build import build_engine
 
     dep = DeploymentSpec(target=str(model_dir), drafter="ngram", device="cpu")

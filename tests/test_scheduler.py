@@ -29,17 +29,6 @@ from specpilot.errors import PromptTooLongError
 from specpilot.mechanisms.adaptive_block import AdaptiveBlock
 from specpilot.models.transformer import Transformer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
-    made these tests up to 100x slower; the caller's setting comes back afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 CONFIGS = [
     dict(arch="llama", heads=4, kv_heads=2, tie=True, vocab=101),
     dict(arch="qwen3", heads=8, kv_heads=1, hidden=64, vocab=61),

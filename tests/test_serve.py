@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from specpilot.cli import build_parser
@@ -24,18 +23,6 @@ from specpilot.commands.serve import build_app
 from specpilot.drafters.wrapped import WrappedDrafter
 from specpilot.engine import generate
 from specpilot.engine.config import DeploymentSpec, EngineConfig
-from test_cli import tiny_dir
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
-    made these tests up to 100x slower; the caller's setting comes back afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 KEY = "sekret"
 
@@ -76,11 +63,6 @@ def serve_args(model_dir: Path, *extra: str):
     return build_parser().parse_args(
         ["serve", "--target", str(model_dir), "--device", "cpu", "-k", "4", *extra]
     )
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("serve") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -10,25 +10,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from specpilot.commands.serve import build_app
-from test_cli import tiny_dir
 from test_serve import RunningServer, _Slow, free_port, serve_args
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("clients") / "model")
-
 
 LIMIT = 4096
 

@@ -16,22 +16,6 @@ from specpilot.commands.serve import build_worker
 from specpilot.engine import Engine, generate
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.serve.worker import EngineWorker, Job
-from test_cli import tiny_dir
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models gain nothing from a second thread, and on shared cores its barrier waits
-    made these tests up to 100x slower; the caller's setting comes back afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_dir(tmp_path_factory.mktemp("worker") / "model")
 
 
 def worker_for(model_dir: Path, device: str, *flags: str) -> tuple[EngineWorker, dict]:

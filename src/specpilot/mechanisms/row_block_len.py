@@ -9,37 +9,13 @@ online variant is ``per_request_k``.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
 from specpilot.engine.widths import RowBlockLength
-from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
-from specpilot.mechanisms.tiered_budget import EMA_KNOBS, LOSSLESS, install_width_policy
+from specpilot.mechanisms.registry import Knob
+from specpilot.mechanisms.tiered_budget import width_policy_mechanism
 
-if TYPE_CHECKING:
-    from specpilot.mechanisms.parts import EngineParts
-
-
-def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
-    policy = RowBlockLength(
-        threshold=float(knobs["threshold"]),
-        decay=float(knobs["decay"]),
-        prior=float(knobs["prior"]),
-        min_draft=int(knobs["min_draft"]),
-    )
-    install_width_policy(build, policy)
-
-
-MECHANISM = Mechanism(
-    name="row-block-len",
-    component="verify",
-    plug_point="drafter_schedule",
-    lossless=LOSSLESS,
-    apply=_apply,
-    knobs=(
-        Knob("threshold", 0.3, low=0.0, high=1.0, doc="verify position j while P(reach j) >= this"),
-        *EMA_KNOBS,
-    ),
-    applies=Applicability(modes=("batched",)),
-    summary="Per-request draft length from each row's acceptance (static batched engine)",
+MECHANISM = width_policy_mechanism(
+    "row-block-len",
+    RowBlockLength,
+    Knob("threshold", 0.3, low=0.0, high=1.0, doc="verify position j while P(reach j) >= this"),
+    "Per-request draft length from each row's acceptance (static batched engine)",
 )

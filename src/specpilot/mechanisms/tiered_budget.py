@@ -9,7 +9,7 @@ probability of being accepted (its per-position acceptance EMA). At B = 16..24 a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from specpilot.engine.widths import TieredBudget, WidthPolicy
@@ -45,26 +45,32 @@ def install_width_policy(build: EngineParts, policy: WidthPolicy) -> None:
     build.packed_bucket = build.packed_bucket or 16
 
 
-def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
-    policy = TieredBudget(
-        budget=float(knobs["budget"]),
-        decay=float(knobs["decay"]),
-        prior=float(knobs["prior"]),
-        min_draft=int(knobs["min_draft"]),
+def width_policy_mechanism(
+    name: str, policy: Callable[..., WidthPolicy], knob: Knob, summary: str
+) -> Mechanism:
+    """A batched-mode mechanism that installs one width policy: ``policy(<knob>=..., decay=...,
+    prior=..., min_draft=...)`` from its own first knob and the shared EMA knobs."""
+
+    def apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
+        ema = {"decay": float(knobs["decay"]), "prior": float(knobs["prior"])}
+        first = {knob.name: float(knobs[knob.name]), "min_draft": int(knobs["min_draft"])}
+        install_width_policy(build, policy(**first, **ema))
+
+    return Mechanism(
+        name=name,
+        component="verify",
+        plug_point="drafter_schedule",
+        lossless=LOSSLESS,
+        apply=apply,
+        knobs=(knob, *EMA_KNOBS),
+        applies=Applicability(modes=("batched",)),
+        summary=summary,
     )
-    install_width_policy(build, policy)
 
 
-MECHANISM = Mechanism(
-    name="tiered-budget",
-    component="verify",
-    plug_point="drafter_schedule",
-    lossless=LOSSLESS,
-    apply=_apply,
-    knobs=(
-        Knob("budget", 6.0, low=1.0, high=32.0, doc="verify tokens per active row per cycle"),
-        *EMA_KNOBS,
-    ),
-    applies=Applicability(modes=("batched",)),
-    summary="Divide a per-cycle verify-token budget among rows by expected accepted tokens",
+MECHANISM = width_policy_mechanism(
+    "tiered-budget",
+    TieredBudget,
+    Knob("budget", 6.0, low=1.0, high=32.0, doc="verify tokens per active row per cycle"),
+    "Divide a per-cycle verify-token budget among rows by expected accepted tokens",
 )
