@@ -18,6 +18,7 @@ from torch import Tensor
 
 from conftest import tiny_config, tiny_model
 from engine_cases import ar_tokens, check_cuda_drafter_equals_ar, repetitive_prompt, single_ar
+from reference_ops import rms, rope, write_dir
 from specpilot.drafters.dflash import DFlashDrafter
 from specpilot.drafters.static_tree import build_static_tree
 from specpilot.drafters.tree import TreeShape
@@ -44,7 +45,6 @@ def write_checkpoint(
     prefix: str = "",
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """config.json + model.safetensors as z-lab writes them; heads differ from the target's."""
-    from safetensors.torch import save_file
 
     tc = target.cfg
     h, heads, kv, d, inter = tc.hidden_size, 2, 1, 16, 48
@@ -110,26 +110,11 @@ def write_checkpoint(
         t["candidate_selector.hidden_projection.weight"] = rnd(r, h)
         t["candidate_selector.predecessor_codebook"] = rnd(tc.vocab_size, r, std=1.0)
         t["candidate_selector.successor_codebook"] = rnd(tc.vocab_size, r, std=1.0)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({prefix + n: v.contiguous() for n, v in t.items()}, str(root / "model.safetensors"))
+    write_dir(root, cfg, t, prefix)
     return cfg, t
 
 
 # ---------------------------------------------------------------------- the reference forward
-
-
-def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:  # x [L, heads, d], pos [L]
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = pos[:, None].float() * inv[None, :]  # [L, d/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    return x * cos + rot * sin
 
 
 def conv(x: Tensor, dyn: Tensor, base: Tensor, group: int) -> Tensor:

@@ -6,7 +6,6 @@ equals plain AR in fp32."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from pathlib import Path
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from conftest import tiny_config, tiny_model
 from engine_cases import ar_tokens, check_cuda_drafter_equals_ar, repetitive_prompt, single_ar
+from reference_ops import rms, rope, write_dir
 from specpilot.drafters.eagle3 import Eagle3Drafter
 from specpilot.drafters.static_tree import build_static_tree
 from specpilot.drafters.tree import TreeShape
@@ -46,7 +46,6 @@ def write_checkpoint(
 ) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """config.json + model.safetensors as SpecForge writes them (one midlayer, 2 heads of 32,
     one KV head, no head_dim key); ``shapes`` overrides a tensor's shape (random values)."""
-    from safetensors.torch import save_file
 
     tc = target.cfg
     h, heads, kv, inter, vocab = tc.hidden_size, 2, 1, 48, tc.vocab_size
@@ -108,26 +107,11 @@ def write_checkpoint(
     for name, shape in (shapes or {}).items():
         t[name] = rnd(*shape)
     t = {n: v for n, v in t.items() if n not in drop}
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(cfg, indent=2))
-    save_file({prefix + n: v.contiguous() for n, v in t.items()}, str(root / "model.safetensors"))
+    write_dir(root, cfg, t, prefix)
     return cfg, t
 
 
 # ---------------------------------------------------------------------- the reference forward
-
-
-def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:  # x [L, heads, d], pos [L]
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    ang = pos[:, None].float() * inv[None, :]  # [L, d/2]
-    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
-    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
-    return x * cos + rot * sin
 
 
 def midlayer(

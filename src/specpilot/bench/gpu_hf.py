@@ -15,42 +15,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from specpilot.bench import hf_dir
 from specpilot.config import ModelConfig
 from specpilot.models.layer import DecoderLayer
 from specpilot.models.transformer import Transformer
 from specpilot.synthetic import DRAFT_MODEL_FOR_TARGET, build_draft_model
 
 
-def hf_config(cfg: ModelConfig) -> Any:
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> Any:
+    """``cfg`` as a transformers config (from the same ``config.json`` ``bench/hf_dir.py`` writes)."""
     import transformers
 
-    kwargs: dict[str, Any] = {
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-    }
-    if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        kwargs["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": rs.factor,
-            "low_freq_factor": rs.low_freq_factor,
-            "high_freq_factor": rs.high_freq_factor,
-            "original_max_position_embeddings": rs.original_max_position_embeddings,
-        }
-    if cfg.arch == "llama":
-        return transformers.LlamaConfig(attention_bias=cfg.attention_bias, **kwargs)
-    if cfg.arch == "qwen2":
-        return transformers.Qwen2Config(**kwargs)
-    return transformers.Qwen3Config(**kwargs)
+    fields = dict(hf_dir.hf_config(cfg, dtype))
+    return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def hf_state_dict(model: Transformer) -> dict[str, Tensor]:
@@ -88,7 +65,7 @@ def hf_model(model: Transformer) -> Any:
     """An HF ``*ForCausalLM`` sharing ``model``'s weights (no copy)."""
     from transformers import AutoModelForCausalLM
 
-    config = hf_config(model.cfg)
+    config = hf_config(model.cfg, model.dtype)
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False, assign=True)

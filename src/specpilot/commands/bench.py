@@ -222,13 +222,7 @@ def summary_dict(
         "verdict": ratio.verdict(),
         "identical_to_ar": f"{identical}/{prompts}",
         "acceptance": stats.to_dict(),
-        "forcing": {
-            "ok": forcing.ok,
-            "matches": forcing.matches,
-            "near_ties": forcing.near_ties,
-            "mismatches": forcing.mismatches,
-            "summary": forcing.summary(),
-        },
+        "forcing": forcing.totals(),
         "records": str(out),
     }
 

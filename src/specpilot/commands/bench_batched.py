@@ -118,13 +118,7 @@ def run_batched(args: argparse.Namespace) -> int:
         "mechanisms": dict(build.config.mechanisms),
         "levels": levels_out,
         "identical_to_ar": f"{identical}/{len(spec_records)}",
-        "forcing": {
-            "ok": forcing.ok,
-            "matches": forcing.matches,
-            "near_ties": forcing.near_ties,
-            "mismatches": forcing.mismatches,
-            "summary": forcing.summary(),
-        },
+        "forcing": forcing.totals(),
         "records": str(out),
     }
     if args.json:

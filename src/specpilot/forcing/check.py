@@ -81,6 +81,11 @@ class ForcingReport:
             f"{self.mismatches} mismatch over {len(self.sequences)} sequences ({self.dtype})"
         )
 
+    def totals(self) -> dict[str, Any]:
+        """The verdict and its counts, as a command's JSON summary states them."""
+        keys = ("ok", "matches", "near_ties", "mismatches")
+        return {k: getattr(self, k) for k in keys} | {"summary": self.summary()}
+
     def to_dict(self, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "dtype": self.dtype,
