@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specpilot.cli import main
-from test_cli import assert_one_line_error, run_cli
+from test_cli import assert_one_line_error, raw_generate, run_cli
 
 
 @pytest.fixture
@@ -159,13 +159,7 @@ def test_verify_and_compare_check_before_loading(model_dir, nothing_loads, tmp_p
 def test_k_zero_says_it_is_plain_ar(model_dir, capsys):
     code, out, err = run_cli(
         capsys,
-        "generate",
-        "hello world hello",
-        "--raw",
-        "--target",
-        str(model_dir),
-        "--device",
-        "cpu",
+        *raw_generate(model_dir, "hello world hello"),
         "-k",
         "0",
         "--max-new-tokens",
@@ -184,13 +178,7 @@ def test_k_zero_says_it_is_plain_ar(model_dir, capsys):
 def test_the_largest_k_still_runs(model_dir, capsys):
     code, out, _ = run_cli(
         capsys,
-        "generate",
-        "hello world hello world hello",
-        "--raw",
-        "--target",
-        str(model_dir),
-        "--device",
-        "cpu",
+        *raw_generate(model_dir, "hello world hello world hello"),
         "-k",
         "64",
         "--max-new-tokens",

@@ -20,6 +20,11 @@ def tiny_dir(root: Path, vocab: int = 10, seed: int = 0) -> Path:
     return root
 
 
+def raw_generate(model: Path, prompt: str) -> tuple[str, ...]:
+    """``generate PROMPT --raw --target MODEL --device cpu``: the start of most CLI calls here."""
+    return ("generate", prompt, "--raw", "--target", str(model), "--device", "cpu")
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()

@@ -11,7 +11,7 @@ import pytest
 from specpilot.commands import bench as bench_cmd
 from specpilot.commands.feedback import Feedback
 from specpilot.consoles import UNWRAPPED_WIDTH, result_console
-from test_cli import run_cli
+from test_cli import raw_generate, run_cli
 
 
 def phase_lines(err: str) -> list[str]:
@@ -22,13 +22,7 @@ def test_generate_says_each_phase(model_dir, capsys):
     """Not silent before the first token, nor during the AR and token-forcing passes."""
     code, _, err = run_cli(
         capsys,
-        "generate",
-        "hello world hello world",
-        "--raw",
-        "--target",
-        str(model_dir),
-        "--device",
-        "cpu",
+        *raw_generate(model_dir, "hello world hello world"),
         "--max-new-tokens",
         "8",
     )
