@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
+from engine_cases import repetitive_prompt
 from specpilot.drafters import BlockDrafter, Drafter, DraftModelDrafter, NgramDrafter
 from specpilot.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specpilot.drafters.static_tree import StaticTree, build_static_tree
@@ -34,15 +35,6 @@ CONFIGS = [
     dict(arch="qwen3", heads=8, kv_heads=1, hidden=64, vocab=61),
 ]
 K = 4
-
-
-def repetitive_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
-    """A prompt that repeats itself (the n-gram drafter finds matches), with a few changes."""
-    base = [rng.randrange(vocab) for _ in range(max(1, length // 3))]
-    out = (base * 4)[:length]
-    for _ in range(length // 8):
-        out[rng.randrange(length)] = rng.randrange(vocab)
-    return out
 
 
 def single_ar(target: Transformer, req: Request) -> list[int]:

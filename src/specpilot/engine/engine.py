@@ -38,6 +38,7 @@ from specpilot.engine.accept import accept_and_commit
 from specpilot.engine.cycles import ar_window, spec_cycle
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan
+from specpilot.engine.requests import check_fits
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
 from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
@@ -119,14 +120,7 @@ class Engine:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """One clear error, before any slow work, for a request this engine cannot hold."""
-        if prompt_len == 0:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
-        if prompt_len + max_new_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
-                f"model's context of {self.max_context} for this engine; shorten the prompt or "
-                "lower --max-new-tokens."
-            )
+        check_fits(prompt_len, max_new_tokens, self.max_context, "this engine holds")
 
     @property
     def capacity(self) -> int:

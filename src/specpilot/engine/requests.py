@@ -5,6 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specpilot.engine.stats import AcceptanceStats
+from specpilot.errors import PromptTooLongError
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, max_context: int, where: str) -> None:
+    """One clear error, before any slow work, for a request that ``max_context`` tokens (prompt
+    plus new ones) cannot hold; ``where``: what has that context, for the message."""
+    if prompt_len == 0:
+        raise PromptTooLongError("The prompt is empty; give at least one token.")
+    if prompt_len + max_new_tokens > max_context:
+        raise PromptTooLongError(
+            f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
+            f"context of {max_context} {where}; shorten the prompt or lower --max-new-tokens."
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from specpilot.engine.engine import Engine
-from specpilot.engine.requests import Request, RequestResult, StepReport
+from specpilot.engine.requests import Request, RequestResult, StepReport, check_fits
 from specpilot.engine.types import GenerationResult
 from specpilot.engine.verify import cut_at_stop
-from specpilot.errors import PromptTooLongError
 
 __all__ = ["Scheduler", "generate"]
 
@@ -98,13 +97,7 @@ class Scheduler:
         return bool(self._waiting) or self.running > 0
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
-        if prompt_len + max_new_tokens > self.max_context:
-            raise PromptTooLongError(
-                f"A prompt of {prompt_len} tokens plus {max_new_tokens} new tokens exceeds the "
-                f"context of {self.max_context}; shorten the prompt or lower max_new_tokens."
-            )
+        check_fits(prompt_len, max_new_tokens, self.max_context, "this scheduler admits")
 
     def submit(self, request: Request) -> None:
         """Queue a request; it takes a row at the start of a later step."""
