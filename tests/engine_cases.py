@@ -309,3 +309,22 @@ CASES: dict[str, Case] = {
     ),
 }
 """Every drafter under every plan; the name says ``drafter/plan``."""
+
+
+def check_drafter_equals_ar(target: Transformer, drafter: Drafter, rng: random.Random, vocab: int) -> None:  # fmt: skip
+    """A drafter's speculative output equals AR's (fp32, CPU): batched with EOS, one prompt
+    alone, through the scheduler with prompt segments, and under a static-tree verify; and it
+    drafted something."""
+    prompts = [repetitive_prompt(rng, vocab, rng.randint(1, 40)) for _ in range(3)]
+    eos = [rng.randrange(vocab)]
+    want = ar_tokens(target, prompts, 40, eos)
+    res = generate(Engine(target, drafter), prompts, 40, eos)
+    assert [r.tokens for r in res] == want
+    assert sum(sum(r.stats.drafted) for r in res) > 0
+    assert generate(Engine(target, drafter), [prompts[1]], 40, eos)[0].tokens == want[1]
+    sched = Scheduler(Engine(target, drafter), slots=2, segment_tokens=7, max_context=96)
+    reqs = [Request(str(i), tuple(p), rng.randint(5, 40), frozenset(eos)) for i, p in enumerate(prompts + prompts[:1])]  # fmt: skip
+    assert [r.tokens for r in sched.run(reqs)] == [single_ar(target, r) for r in reqs]
+    tree = build_static_tree(TreeShape.uniform(depth=drafter.k, width=2, max_nodes=2 * drafter.k))
+    tree_res = generate(Engine(target, drafter, plan=TreePlan(FixedTree(tree))), prompts, 40, eos)
+    assert [r.tokens for r in tree_res] == want

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from conftest import tiny_config, tiny_model
-from engine_cases import ar_tokens, check_cuda_drafter_equals_ar, repetitive_prompt, single_ar
+from engine_cases import (
+    check_cuda_drafter_equals_ar,
+    check_drafter_equals_ar,
+    repetitive_prompt,
+)
 from reference_ops import rms, rope, write_dir
 from specpilot.drafters.dflash import DFlashDrafter
-from specpilot.drafters.static_tree import build_static_tree
-from specpilot.drafters.tree import TreeShape
-from specpilot.engine import Engine, Request, Scheduler, generate
-from specpilot.engine.plans import TreePlan
-from specpilot.engine.tree_policy import FixedTree
+from specpilot.engine import Engine
 from specpilot.errors import CheckpointError, IncompatibleDrafterError
 from specpilot.models.transformer import Transformer
 
@@ -261,19 +261,7 @@ def test_speculative_equals_ar(tmp_path: Path, kind: str, seed: int) -> None:
     target = tiny_model(tiny_config(arch=rng.choice(["llama", "qwen3"]), layers=3, vocab=89), seed)
     write_checkpoint(tmp_path / "d", target, kind, seed, layer_types=TYPES["sliding-causal"] if seed else None)  # fmt: skip
     drafter = DFlashDrafter.load(target, tmp_path / "d", k=rng.randint(2, 5), kind=kind)
-    prompts = [repetitive_prompt(rng, 89, rng.randint(1, 40)) for _ in range(3)]
-    eos = [rng.randrange(89)]
-    want = ar_tokens(target, prompts, 40, eos)
-    res = generate(Engine(target, drafter), prompts, 40, eos)
-    assert [r.tokens for r in res] == want
-    assert sum(sum(r.stats.drafted) for r in res) > 0
-    assert generate(Engine(target, drafter), [prompts[1]], 40, eos)[0].tokens == want[1]
-    sched = Scheduler(Engine(target, drafter), slots=2, segment_tokens=7, max_context=96)
-    reqs = [Request(str(i), tuple(p), rng.randint(5, 40), frozenset(eos)) for i, p in enumerate(prompts + prompts[:1])]  # fmt: skip
-    assert [r.tokens for r in sched.run(reqs)] == [single_ar(target, r) for r in reqs]
-    tree = build_static_tree(TreeShape.uniform(depth=drafter.k, width=2, max_nodes=2 * drafter.k))
-    tree_res = generate(Engine(target, drafter, plan=TreePlan(FixedTree(tree))), prompts, 40, eos)
-    assert [r.tokens for r in tree_res] == want
+    check_drafter_equals_ar(target, drafter, rng, 89)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

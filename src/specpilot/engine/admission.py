@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specpilot.drafters.base import Segment
-from specpilot.errors import PromptTooLongError
+from specpilot.engine.requests import check_fits
 
 if TYPE_CHECKING:
     from specpilot.engine.view import EngineView
@@ -48,15 +48,9 @@ def prefill_rows(
     """See :meth:`Engine.prefill`."""
     room = engine.capacity - engine.context_margin()
     for prompt, s, n, new in zip(prompts, starts, seg_lens, max_news, strict=True):
-        if not prompt:
-            raise PromptTooLongError("The prompt is empty; give at least one token.")
+        check_fits(len(prompt), new, room, "that each row was opened for")
         if not (s >= 0 and n >= 1 and s + n <= len(prompt)):
             raise ValueError(f"segment [{s}, {s + n}) outside a prompt of {len(prompt)} tokens")
-        if len(prompt) + new > room:
-            raise PromptTooLongError(
-                f"A prompt of {len(prompt)} tokens plus {new} new tokens exceeds the {room} "
-                "tokens each row was opened for; shorten the prompt or lower max_new_tokens."
-            )
     firsts: list[int | None] = [None] * len(rows)
     for run in contiguous_runs(rows):
         for i, first in zip(

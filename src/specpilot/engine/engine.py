@@ -120,7 +120,7 @@ class Engine:
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """One clear error, before any slow work, for a request this engine cannot hold."""
-        check_fits(prompt_len, max_new_tokens, self.max_context, "this engine holds")
+        check_fits(prompt_len, max_new_tokens, self.max_context, "that this engine holds")
 
     @property
     def capacity(self) -> int:

@@ -97,7 +97,7 @@ class Scheduler:
         return bool(self._waiting) or self.running > 0
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        check_fits(prompt_len, max_new_tokens, self.max_context, "this scheduler admits")
+        check_fits(prompt_len, max_new_tokens, self.max_context, "that this scheduler admits")
 
     def submit(self, request: Request) -> None:
         """Queue a request; it takes a row at the start of a later step."""
