@@ -31,13 +31,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import itertools
 import json
 import platform
 import random
-import tempfile
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,102 +42,19 @@ import torch
 
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.mechanisms import Knob
-from specpilot.memory import Fingerprint, MemoryStore
+from specpilot.memory import Fingerprint
 from specpilot.tune.evaluate import TrialResult
-from specpilot.tune.explorers import optuna_available
-from specpilot.tune.loop import TuneLoop, TuneOutcome, TuneSettings
-from specpilot.tune.space import Direction, config_hash, describe
-
-Measure = Callable[[EngineConfig], TrialResult]
-
-
-# ----------------------------------------------------------------------------- search space
-def _set(field: str) -> Callable[[EngineConfig, dict[str, Any]], EngineConfig]:
-    """A derive that writes the given knobs into ``k`` or ``drafter_knobs``."""
-
-    def derive(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
-        knobs = dict(base.drafter_knobs)
-        k = base.k
-        for name, v in p.items():
-            if name == "k":
-                k = int(v)
-            else:
-                knobs[name] = v
-        if field == "ngram":  # sizes are an unordered pair: (2, 4) and (4, 2) are one config
-            lo, hi = sorted((int(knobs["min_n"]), int(knobs["max_n"])))
-            knobs.update(min_n=lo, max_n=hi)
-        return dataclasses.replace(base, k=k, drafter_knobs=knobs)
-
-    return derive
-
-
-def grid(base: EngineConfig, directions: Sequence[Direction]) -> list[EngineConfig]:
-    """Every distinct config reachable by setting every knob of every direction."""
-    out: dict[str, EngineConfig] = {}
-    axes = [
-        (
-            d,
-            [
-                dict(zip([k.name for k in d.params], vs, strict=True))
-                for vs in itertools.product(*[k.choices for k in d.params])
-            ],
-        )
-        for d in directions
-    ]
-    for combo in itertools.product(*[vals for _, vals in axes]):
-        cfg = base
-        for (d, _), p in zip(axes, combo, strict=True):
-            cfg = d.derive(cfg, p)
-        out.setdefault(config_hash(cfg), cfg)
-    return list(out.values())
-
-
-# ----------------------------------------------------------------------------- executor
-class MeasureExecutor:
-    """The loop's ``Executor`` over a measure function (one candidate at a time)."""
-
-    width = 1
-
-    def __init__(self, measure: Measure, ar_tok_s: float) -> None:
-        self.measure, self.ar_tok_s = measure, ar_tok_s
-
-    def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
-        return [self.measure(c) for c in configs]
-
-    def close(self) -> None:
-        pass
-
-
-def result(
-    cfg: EngineConfig,
-    tok_s: float,
-    ar_tok_s: float,
-    tau: float,
-    ok: bool,
-    forcing: dict[str, Any],
-    cost_s: float,
-) -> TrialResult:
-    speedup = tok_s / ar_tok_s
-    return TrialResult(
-        config=cfg,
-        tok_s=tok_s,
-        speedup=speedup,
-        tau=tau,
-        acceptance=[],
-        forcing_ok=ok,
-        forcing=forcing,
-        device_seconds=cost_s,
-        wall_seconds=cost_s,
-        rounds=[speedup] * 3,  # one measurement taken as exact: the grid study needs no noise rule
-    )
+from specpilot.tune.grid_study import Measure, result, set_knobs, study
+from specpilot.tune.space import Direction
 
 
 # ----------------------------------------------------------------------------- CPU setting
 def cpu_setting(args: argparse.Namespace) -> dict[str, Any]:
     """SmolLM2 + n-gram, fp32, one torch thread, real prompts (``--tiny``: a random tiny model)."""
     from specpilot.bench.prompts import load_prompt_set
-    from specpilot.engine import Engine, generate
-    from specpilot.runtime import LoadedModel, build_drafter, load_model
+    from specpilot.engine import generate
+    from specpilot.engine.build import build_engine
+    from specpilot.runtime import LoadedModel, load_model
     from specpilot.synthetic import build_target
 
     torch.set_num_threads(1)
@@ -165,12 +79,12 @@ def cpu_setting(args: argparse.Namespace) -> dict[str, Any]:
     dep = DeploymentSpec(target=target.spec, drafter="ngram", device="cpu", dtype="fp32")
     base = EngineConfig(deployment=dep, k=8, drafter_knobs={"max_n": 3, "min_n": 1})
     directions = [
-        Direction("draft-length", ("draft", "verify"), (Knob("k", 8, choices=ks),), _set("k")),
+        Direction("draft-length", ("draft", "verify"), (Knob("k", 8, choices=ks),), set_knobs("k")),
         Direction(
             "ngram-sizes",
             ("draft",),
             (Knob("max_n", 3, choices=max_ns), Knob("min_n", 1, choices=(1, 2, 3))),
-            _set("ngram"),
+            set_knobs("ngram"),
         ),
     ]
 
@@ -187,13 +101,13 @@ def cpu_setting(args: argparse.Namespace) -> dict[str, Any]:
         return outs, secs, sum(taus) / len(taus)
 
     def make(prompts: list[list[int]]) -> tuple[Measure, float]:
-        ar_out, ar_s, _ = run(Engine(target.model), prompts)
+        ar_cfg = EngineConfig(deployment=dataclasses.replace(dep, drafter="none"), k=0)
+        ar_out, ar_s, _ = run(build_engine(ar_cfg, target=target).engine(), prompts)
         ar_tok_s = sum(map(len, ar_out)) / ar_s
 
         def measure(cfg: EngineConfig) -> TrialResult:
             t0 = time.process_time()
-            drafter = build_drafter("ngram", target, cfg.k, None, cfg.drafter_knobs)
-            outs, secs, tau = run(Engine(target.model, drafter), prompts)
+            outs, secs, tau = run(build_engine(cfg, target=target).engine(), prompts)
             ok = outs == ar_out
             forcing = {"equal_to_ar": ok}
             return result(
@@ -218,7 +132,7 @@ def cpu_setting(args: argparse.Namespace) -> dict[str, Any]:
         "fp32",
         "single",
     )
-    return targets(args, "cpu", base, directions, make, sets, fp, clock="process")
+    return study(args, "cpu", base, directions, make, sets, fp, clock="process")
 
 
 # ----------------------------------------------------------------------------- GPU setting
@@ -309,7 +223,7 @@ def gpu_setting(args: argparse.Namespace) -> dict[str, Any]:
     )
     directions = [
         Direction(
-            "block-length", ("draft", "verify"), (Knob("k", max(ks), choices=ks),), _set("k")
+            "block-length", ("draft", "verify"), (Knob("k", max(ks), choices=ks),), set_knobs("k")
         ),
         Direction(
             "graph-buckets",
@@ -318,7 +232,7 @@ def gpu_setting(args: argparse.Namespace) -> dict[str, Any]:
                 Knob("attn_bucket", buckets[-1], choices=buckets),
                 Knob("sync_every", syncs[-1], choices=syncs),
             ),
-            _set("graphs"),
+            set_knobs("graphs"),
         ),
     ]
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -332,180 +246,9 @@ def gpu_setting(args: argparse.Namespace) -> dict[str, Any]:
         dep.dtype,
         "single",
     )
-    out = targets(args, "gpu", base, directions, make, profiles, fp, clock="wall (device held)")
+    out = study(args, "gpu", base, directions, make, profiles, fp, clock="wall (device held)")
     out["label"] = SIM_LABEL
     return out
-
-
-# ----------------------------------------------------------------------------- the targets
-def tune(
-    base: EngineConfig,
-    directions: Sequence[Direction],
-    measure: Measure,
-    ar_tok_s: float,
-    store: MemoryStore,
-    fp: Fingerprint,
-    budget_s: float,
-    args: argparse.Namespace,
-    tag: str,
-) -> TuneOutcome:
-    settings = TuneSettings(
-        rounds=50,
-        trials_per_direction=args.trials,
-        directions_per_round=len(directions),
-        budget_seconds=budget_s,
-        min_gain=args.min_gain,
-        seed=args.seed,
-        explorer=args.explorer,
-        patience=args.patience,
-    )
-    loop = TuneLoop(
-        base,
-        directions,
-        MeasureExecutor(measure, ar_tok_s),
-        store,
-        fp,
-        tag,
-        settings,
-        log=lambda m: print(f"[{tag}] {m}", flush=True),
-    )
-    return loop.run()
-
-
-def time_to(outcome: TuneOutcome, speed: float) -> float | None:
-    """Cost seconds until the first passing trial at ``speed`` or faster."""
-    spent = 0.0
-    for t in outcome.trials:
-        spent += t.result.wall_seconds
-        if t.result.forcing_ok and t.result.tok_s >= speed:
-            return spent
-    return None
-
-
-def targets(
-    args: argparse.Namespace,
-    setting: str,
-    base: EngineConfig,
-    directions: Sequence[Direction],
-    make: Callable[[Any], tuple[Measure, float]],
-    workloads: dict[str, Any],
-    fp_a: Fingerprint,
-    clock: str,
-) -> dict[str, Any]:
-    start = time.perf_counter()
-    measure, ar_tok_s = make(workloads["A"])
-    configs = grid(base, directions)
-    random.Random(args.seed).shuffle(configs)
-    print(f"[{setting}] grid of {len(configs)} configs; AR {ar_tok_s:.1f} tok/s", flush=True)
-    table: dict[str, TrialResult] = {}
-    t0 = time.perf_counter()
-    for i, cfg in enumerate(configs):
-        r = measure(cfg)
-        table[config_hash(cfg)] = r
-        print(
-            f"[{setting}] grid {i + 1}/{len(configs)} {describe(cfg)}: {r.tok_s:.1f} tok/s "
-            f"{'ok' if r.forcing_ok else 'NOT LOSSLESS'}",
-            flush=True,
-        )
-    grid_wall = time.perf_counter() - t0
-    grid_cost = sum(r.wall_seconds for r in table.values())
-    lossless = all(r.forcing_ok for r in table.values())
-    grid_best = max((r for r in table.values() if r.forcing_ok), key=lambda r: r.tok_s)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with MemoryStore(Path(tmp) / "a.sqlite") as store:
-            loop = tune(
-                base,
-                directions,
-                measure,
-                ar_tok_s,
-                store,
-                fp_a,
-                args.loop_fraction * grid_wall,
-                args,
-                f"{setting}/loop",
-            )
-        loop_cost = sum(t.result.wall_seconds for t in loop.trials)
-        in_grid = table.get(config_hash(loop.best.config))
-        loop_best_on_grid = in_grid.tok_s if in_grid is not None else float("nan")
-
-        # warm start: deployment B, cold (empty memory) and warm (A's validated result)
-        measure_b, ar_b = make(workloads["B"])
-        fp_b = dataclasses.replace(fp_a, drafter=fp_a.drafter + " @B")
-        budget_b = args.loop_fraction * grid_wall
-        with MemoryStore(Path(tmp) / "cold.sqlite") as cold_store:
-            cold = tune(
-                base,
-                directions,
-                measure_b,
-                ar_b,
-                cold_store,
-                fp_b,
-                budget_b,
-                args,
-                f"{setting}/B-cold",
-            )
-        with MemoryStore(Path(tmp) / "a.sqlite") as warm_store:
-            warm = tune(
-                base,
-                directions,
-                measure_b,
-                ar_b,
-                warm_store,
-                fp_b,
-                budget_b,
-                args,
-                f"{setting}/B-warm",
-            )
-    ref = max(cold.best.tok_s, warm.best.tok_s) * (1 - args.reach)
-    cold_t, warm_t = time_to(cold, ref), time_to(warm, ref)
-    return {
-        "setting": setting,
-        "clock": clock,
-        "proposer": args.explorer
-        if args.explorer != "auto"
-        else ("tpe" if optuna_available() else "local (no optuna)"),
-        "ar_tok_s": ar_tok_s,
-        "grid": {
-            "configs": len(configs),
-            "cost_s": grid_cost,
-            "wall_s": grid_wall,
-            "all_lossless": lossless,
-            "best": describe(grid_best.config),
-            "best_tok_s": grid_best.tok_s,
-            "best_speedup": grid_best.speedup,
-            "table": {describe(r.config): r.tok_s for r in table.values()},
-        },
-        "loop": {
-            "trials": len(loop.trials),
-            "cost_s": loop_cost,
-            "best": describe(loop.best.config),
-            "best_tok_s_loop": loop.best.tok_s,
-            "best_tok_s_on_grid": loop_best_on_grid,
-            "best_fraction_of_grid": loop_best_on_grid / grid_best.tok_s,
-            "cost_fraction_of_grid": loop_cost / grid_cost,
-            "target": ">= 0.95 of the grid best with <= 0.20 of its seconds",
-        },
-        "warm_start": {
-            "deployment_b": "mt-bench prompts"
-            if setting == "cpu"
-            else "lower simulated acceptance",
-            "reach": f"within {args.reach:.0%} of the better best",
-            "cold_s_to_best": cold_t,
-            "warm_s_to_best": warm_t,
-            # each run's time to its own final best (noise can make the bests differ)
-            "cold_s_to_own_best": time_to(cold, cold.best.tok_s),
-            "warm_s_to_own_best": time_to(warm, warm.best.tok_s),
-            "cold_best_tok_s": cold.best.tok_s,
-            "warm_best_tok_s": warm.best.tok_s,
-            "cold_best": describe(cold.best.config),
-            "warm_best": describe(warm.best.config),
-            "warm_reused": warm.reused,
-            "ratio": (warm_t / cold_t) if cold_t and warm_t is not None else None,
-            "target": "warm <= 0.5 x cold",
-        },
-        "total_s": time.perf_counter() - start,
-    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
