@@ -51,7 +51,7 @@ if not torch.cuda.is_available():
 
 from specpilot.bench.kernel_bench import error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
-from specpilot.bench.script import guarded
+from specpilot.bench.script import finish, guarded
 from specpilot.kernels import decode_triton, reference
 from specpilot.kernels.fused_gemv import norm_gemv, residual_gemv, silu_gemv
 from specpilot.kernels.gemm_common import counter_buffer
@@ -393,10 +393,7 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=1))
     if not args.no_e2e:
         res["e2e"] = guarded(lambda: e2e(dev, res, args.tiny, args.rounds, not args.no_w12), 2000)
-    res["wall_s"] = time.perf_counter() - started
-    path.write_text(json.dumps(res, indent=1))
-    print(table(res))
-    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    finish(res, path, started, table)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ if not torch.cuda.is_available():
 
 from specpilot.bench.kernel_bench import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
-from specpilot.bench.script import guarded
+from specpilot.bench.script import finish, guarded
 from specpilot.costmodel.weight_format import predicted_w12_forward_s
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
@@ -331,10 +331,7 @@ def main() -> None:
             ),
             2000,
         )
-    res["wall_s"] = time.perf_counter() - started
-    path.write_text(json.dumps(res, indent=1))
-    print(table(res))
-    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    finish(res, path, started, table)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specpilot.config import SIZE_FIELDS
 from specpilot.costmodel.acceptance import AcceptanceCurve
 from specpilot.costmodel.accounting import (
     Work,
@@ -84,18 +85,7 @@ def test_accounting_agrees_with_the_gpu_suite_and_the_synthetic_shapes():
         theirs = synthetic.TARGET_SHAPES.get(name)
         if theirs is None:
             continue
-        for field in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "tie_word_embeddings",
-            "attention_bias",
-            "qk_norm",
-        ):
+        for field in (*SIZE_FIELDS, "tie_word_embeddings", "attention_bias", "qk_norm"):
             assert getattr(cfg, field) == getattr(theirs, field), (name, field)
         weights = total(forward_work(cfg, 1, 0, 2)).weight_bytes
         assert weights == synthetic.streamed_weight_bytes(theirs, torch.bfloat16)

@@ -404,8 +404,10 @@ def test_fused_variants_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
-    """The bench script end to end on tiny shapes, W12 arms left out (the engine test above runs
-    W12 + fused; about 40 s in the interpreter)."""
+    """The bench script's kernel part on tiny shapes: checks, timings, the summary (about 12 s in
+    the interpreter). Its end-to-end part (``--no-e2e`` here: 4 minutes interpreted) installs the
+    mechanism the engine tests above check in the interpreter, and runs on the GPU
+    (``bench/device.sh kernels``)."""
     import json
 
     out = run_interpreted(
@@ -417,6 +419,7 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             "--budget-s",
             "5",
             "--no-w12",
+            "--no-e2e",
         ],
         400,
     )
@@ -427,10 +430,7 @@ def test_gpu_script_tiny_in_interpreter(tmp_path: Path) -> None:
             assert row["check"]["err_over_bound"] <= 1.0, (name, m)
             assert row["check"].get("prologue_max_ulps", 0) <= 1, (name, m)
             assert all("us" in row[v] for v in ("cublas", "gemv", "fused")), (name, m)
-    e2e = res["e2e"]
-    assert set(e2e["checks"]) == {"fused"}, e2e
-    assert all(c["forcing_mismatches"] == 0 for c in e2e["checks"].values()), e2e
-    assert e2e["fused_calls"] > 0, e2e
+    assert "e2e" not in res
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels' GPU path")

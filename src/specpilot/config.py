@@ -11,6 +11,13 @@ from specpilot.errors import CheckpointError
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 
+SIZE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+    "head_dim",
+)  # fmt: skip
+"""The sizes of a :class:`ModelConfig` (each must be positive)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (``rope_type: llama3``)."""
@@ -56,15 +63,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"Architecture '{self.arch}' is not supported; SpecPilot runs {', '.join(SUPPORTED_ARCHS)}."
             )
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-        ):
+        for name in SIZE_FIELDS:
             if getattr(self, name) <= 0:
                 raise CheckpointError(
                     f"Model config field {name} must be positive, got {getattr(self, name)}."

@@ -92,3 +92,12 @@ class BenchScript:
 
 
 __all__ = ["BenchScript", "guarded"]
+
+
+def finish(res: dict[str, Any], path: Path, started: float, table: Callable[[dict[str, Any]], str]) -> None:  # fmt: skip
+    """A kernel script's last step: its wall time into ``res``, ``res`` to ``path``, the short
+    table printed last."""
+    res["wall_s"] = time.perf_counter() - started
+    path.write_text(json.dumps(res, indent=1))
+    print(table(res))
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")

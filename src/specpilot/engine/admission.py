@@ -14,6 +14,7 @@ the row decodes from the next cycle on.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,14 +38,23 @@ def contiguous_runs(rows: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def prefill_rows(
-    engine: EngineView,
-    rows: Sequence[int],
-    prompts: Sequence[Sequence[int]],
-    starts: Sequence[int],
-    seg_lens: Sequence[int],
-    max_news: Sequence[int],
-) -> list[int | None]:
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Prompt segments to feed (``Engine.prefill``): segment ``i`` is
+    ``prompts[i][starts[i] : starts[i] + seg_lens[i]]`` of row ``rows[i]``, whose request may
+    then commit ``max_news[i]`` tokens."""
+
+    rows: Sequence[int]
+    prompts: Sequence[Sequence[int]]
+    starts: Sequence[int]
+    seg_lens: Sequence[int]
+    max_news: Sequence[int]
+
+
+def prefill_rows(engine: EngineView, adm: Admission) -> list[int | None]:
+    rows, prompts, starts, seg_lens, max_news = (
+        adm.rows, adm.prompts, adm.starts, adm.seg_lens, adm.max_news
+    )  # fmt: skip
     """See :meth:`Engine.prefill`."""
     room = engine.capacity - engine.context_margin()
     for prompt, s, n, new in zip(prompts, starts, seg_lens, max_news, strict=True):
@@ -53,22 +63,15 @@ def prefill_rows(
             raise ValueError(f"segment [{s}, {s + n}) outside a prompt of {len(prompt)} tokens")
     firsts: list[int | None] = [None] * len(rows)
     for run in contiguous_runs(rows):
-        for i, first in zip(
-            run, _prefill_run(engine, run, rows, prompts, starts, seg_lens, max_news), strict=True
-        ):
+        for i, first in zip(run, _prefill_run(engine, run, adm), strict=True):
             firsts[i] = first
     return firsts
 
 
-def _prefill_run(
-    engine: EngineView,
-    run: list[int],
-    rows: Sequence[int],
-    prompts: Sequence[Sequence[int]],
-    starts: Sequence[int],
-    seg_lens: Sequence[int],
-    max_news: Sequence[int],
-) -> list[int | None]:
+def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int | None]:
+    rows, prompts, starts, seg_lens, max_news = (
+        adm.rows, adm.prompts, adm.starts, adm.seg_lens, adm.max_news
+    )  # fmt: skip
     st, cache, h, dev = engine.state, engine.cache, engine.host, engine.device
     assert cache is not None
     r0, b = rows[run[0]], len(run)

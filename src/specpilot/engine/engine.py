@@ -247,10 +247,10 @@ class Engine:
         earlier segments are in). A row whose prompt ends with it starts decoding for up to
         ``max_news[i]`` tokens: its first token (the target's argmax after the prompt) is
         returned; None for rows still in prefill. Contiguous rows run in one forward."""
-        from specpilot.engine.admission import prefill_rows
+        from specpilot.engine.admission import Admission, prefill_rows
 
         t0 = time.perf_counter()
-        firsts = prefill_rows(self, rows, prompts, starts, seg_lens, max_news)
+        firsts = prefill_rows(self, Admission(rows, prompts, starts, seg_lens, max_news))
         self.times.prefill += time.perf_counter() - t0
         return firsts
 
