@@ -64,6 +64,20 @@ CREATE TABLE IF NOT EXISTS validated (
     created REAL NOT NULL,
     PRIMARY KEY (deployment, config_hash)
 );
+CREATE TABLE IF NOT EXISTS kernels (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    slot TEXT NOT NULL,                 -- kernels/slots.py name
+    device TEXT NOT NULL,               -- the GPU (or CPU) it was checked and timed on
+    source_hash TEXT NOT NULL,
+    entry TEXT NOT NULL,
+    source TEXT NOT NULL,
+    shapes TEXT NOT NULL,               -- JSON: the shapes it claimed
+    accepted INTEGER NOT NULL,          -- every check passed at every claimed shape
+    verdict TEXT NOT NULL,              -- JSON: stage, reason, checks, timings, faster_at
+    hypothesis TEXT NOT NULL,
+    created REAL NOT NULL,
+    UNIQUE (slot, device, source_hash)
+);
 """
 
 
@@ -81,6 +95,20 @@ class TrialRow:
     forcing: dict[str, Any]
     gpu_seconds: float
     wall_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRow:
+    id: int
+    slot: str
+    device: str
+    source_hash: str
+    entry: str
+    source: str
+    shapes: list[dict[str, int]]
+    accepted: bool
+    verdict: dict[str, Any]
+    hypothesis: str
 
 
 class MemoryStore:
@@ -194,7 +222,57 @@ class MemoryStore:
                 (deployment, config_hash, json.dumps(config), speedup, trial, time.time()),
             )
 
+    def add_kernel(
+        self,
+        slot: str,
+        device: str,
+        source_hash: str,
+        entry: str,
+        source: str,
+        shapes: list[dict[str, int]],
+        verdict: dict[str, Any],
+        hypothesis: str,
+    ) -> int:
+        """A kernel source the sandbox judged (``tune/kernel_sandbox.py``), with its checks."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT OR REPLACE INTO kernels (slot, device, source_hash, entry, source, shapes, "
+                "accepted, verdict, hypothesis, created) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    slot, device, source_hash, entry, source, json.dumps(shapes),
+                    int(bool(verdict.get("accepted"))), json.dumps(verdict), hypothesis, time.time(),
+                ),
+            )  # fmt: skip
+            return int(cur.lastrowid or 0)
+
     # ---------------------------------------------------------------- reads
+    def kernels(
+        self, slot: str | None = None, device: str | None = None, accepted: bool | None = None
+    ) -> list[KernelRow]:
+        q, args = (
+            "SELECT id, slot, device, source_hash, entry, source, shapes, accepted, verdict, hypothesis FROM kernels WHERE 1=1",
+            list[Any](),
+        )
+        for col, value in (("slot", slot), ("device", device), ("accepted", accepted)):
+            if value is not None:
+                q, args = q + f" AND {col} = ?", [*args, int(value) if col == "accepted" else value]
+        rows = self._db.execute(q + " ORDER BY id", args).fetchall()
+        return [
+            KernelRow(
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                r[4],
+                r[5],
+                json.loads(r[6]),
+                bool(r[7]),
+                json.loads(r[8]),
+                r[9],
+            )
+            for r in rows
+        ]
+
     def trials(self, run: int | None = None, deployment: str | None = None) -> list[TrialRow]:
         q, args = "SELECT * FROM trials WHERE 1=1", list[Any]()
         if run is not None:
@@ -295,8 +373,9 @@ class MemoryStore:
                 t.__dict__ if hasattr(t, "__dict__") else _row_dict(t) for t in self.trials()
             ],
             "validated": self.validated(),
+            "kernels": [_row_dict(k) for k in self.kernels()],
         }
 
 
-def _row_dict(t: TrialRow) -> dict[str, Any]:
-    return {f: getattr(t, f) for f in TrialRow.__dataclass_fields__}
+def _row_dict(t: TrialRow | KernelRow) -> dict[str, Any]:
+    return {f: getattr(t, f) for f in type(t).__dataclass_fields__}

@@ -39,6 +39,7 @@ from specpilot.tune.executors import Executor, StreamingExecutor
 from specpilot.tune.explorers import Proposal, Proposer, make_explorer
 from specpilot.tune.integrate import stacked
 from specpilot.tune.outcome import Trial, TuneOutcome, TuneSettings
+from specpilot.tune.proposal import RoundPlanner
 from specpilot.tune.space import (
     STATIC_GAP_ORDER,
     Direction,
@@ -68,6 +69,7 @@ class TuneLoop:
         gap_order: Sequence[str] = STATIC_GAP_ORDER,
         resume: bool = False,
         log: Callable[[str], None] = print,
+        planner: RoundPlanner | None = None,
     ) -> None:
         self.base, self.executor, self.store, self.fp = base, executor, store, fingerprint
         self.pool = executor if isinstance(executor, StreamingExecutor) else None
@@ -75,9 +77,12 @@ class TuneLoop:
         self.settings, self.log = settings, log
         self.directions = rank_directions(directions, gap_order)
         self.by_name = {d.name: d for d in self.directions}
-        self.explorers: dict[str, Proposer] = {
-            d.name: make_explorer(d, settings.seed, settings.explorer) for d in self.directions
-        }
+        self.planner = planner
+        """Explorers that plan each round together (the LLM agents, ``tune/agent_team.py``)."""
+        self.explorers: dict[str, Proposer] = {}
+        for d in self.directions:
+            tpe = make_explorer(d, settings.seed, settings.explorer)
+            self.explorers[d.name] = planner.explorer(d, tpe) if planner else tpe
         self.t0 = time.perf_counter()
         self.chunk_seconds: list[float] = []
         """Seconds of every ``executor.map`` call so far (a chunk shares its AR rounds, so it
@@ -187,6 +192,7 @@ class TuneLoop:
     ) -> tuple[Measured, TrialResult | None]:
         """Every picked direction's proposals around ``best`` and their results, all in one
         queue on the pool (led by the stock engine if ``stock``; then its result too)."""
+        self._plan(round_, picked, best)
         plans = [(d, self.explorers[d.name].propose(best, self._trials(d))) for d in picked]
         batches = [Batch(round_, d.name, [p.config for p in props]) for d, props in plans]
         lead = [Batch(0, "stock", [self.base], force=True)] if stock else []
@@ -196,11 +202,19 @@ class TuneLoop:
 
     def _one_by_one(self, round_: int, picked: list[Direction], best: EngineConfig) -> Measured:
         """Locally: one direction after another, the budget checked before each proposes."""
+        self._plan(round_, picked, best)
         for d in picked:
             if not self._time_left():
                 return
             props = self.explorers[d.name].propose(best, self._trials(d))
             yield d, props, self._evaluate(round_, d.name, [p.config for p in props])
+
+    def _plan(self, round_: int, picked: list[Direction], best: EngineConfig) -> None:
+        if self.planner is not None:  # its trials so far, and the budget's deadline
+            rows = self.store.trials(run=self.run_id)
+            self.planner.start_round(
+                round_, picked, best, rows, self.t0 + self.settings.budget_seconds
+            )
 
     def _trials(self, d: Direction) -> int:
         """Trials ``d`` proposes this round: one the first time for a probe (``Direction.probe``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specpilot.tune.agent_price import AgentPrice, AgentRecord
 from specpilot.tune.evaluate import TrialResult
 from specpilot.tune.usage import Usage
 
@@ -50,3 +51,7 @@ class TuneOutcome:
     """Directions the budget ran out before (never measured), for the log and the report."""
     usage: Usage = field(default_factory=lambda: Usage("local", "cpu"))
     """Workers and the busy seconds summed over them (the executor's, ``tune/usage.py``)."""
+    agent: AgentPrice | None = None
+    """What the LLM agents cost (``tune --agent``); None without agents."""
+    agent_records: list[AgentRecord] = field(default_factory=list)
+    """The agents' proposals that passed validation, with their hypotheses."""

@@ -72,6 +72,45 @@ def verdict_lines(outcome: TuneOutcome) -> list[str]:
     return lines
 
 
+def agent_price_lines(outcome: TuneOutcome, stock_tok_s: float, tuned_tok_s: float) -> list[str]:
+    """The agents' price, beside the device-seconds: model, calls, tokens, seconds waited, and
+    the break-even counting the seconds the search stood still waiting for them."""
+    a = outcome.agent
+    if a is None:
+        return []
+    held = outcome.usage.busy_seconds + a.blocked_seconds
+    be = break_even_tokens(held, stock_tok_s, tuned_tok_s)
+    return [
+        f"- Agents: {a.summary()}.",
+        f"- Break-even counting the {a.blocked_seconds:.1f} s the search waited on the agents as "
+        "device time too: "
+        + (f"{be:,.0f} generated tokens." if be else "never (no gain).")
+        + " The agents' tokens are the endpoint's to price.",
+    ]
+
+
+def agent_proposal_lines(outcome: TuneOutcome) -> list[str]:
+    """Every validated agent proposal, its hypothesis and what measuring it found."""
+    if outcome.agent is None:
+        return []
+    found = {config_hash(t.result.config): t.result for t in outcome.trials}
+    lines = [
+        "",
+        "## Agent proposals",
+        "| round | direction | config | hypothesis | measured |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for rec in outcome.agent_records:
+        r = found.get(rec.config_hash)
+        measured = "not run (budget)" if r is None else f"{r.spread_text()}, {r.verdict()}"
+        lines.append(
+            f"| {rec.round} | {rec.direction} | {rec.config} | {rec.hypothesis or '—'} | {measured} |"
+        )
+    if not outcome.agent_records:
+        lines.append("| — | — | no proposal passed validation | — | — |")
+    return lines
+
+
 def write_report(
     outcome: TuneOutcome,
     label: str,
@@ -120,6 +159,7 @@ def write_report(
             if be
             else "never (no gain)."
         ),
+        *agent_price_lines(outcome, stock.tok_s, best.tok_s),
     ]
     scope = list(notes)
     if outcome.unexplored:
@@ -151,6 +191,7 @@ def write_report(
         lines.append(
             f"| {t.round} | {t.explorer} | {describe(r.config)} | {r.worker} | {r.tok_s:.1f} | {r.spread_text()} | {bound} | {r.tau:.2f} | {verdict} |"
         )
+    lines += agent_proposal_lines(outcome)
     lines += ["", *[f"![{name}]({name})" for name in charts]]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines) + "\n")
