@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from specpilot.bench.runner import synchronize
 from specpilot.costmodel.hardware import copy_bandwidth
 
 LLAMA3_8B = {
@@ -24,16 +25,11 @@ LLAMA3_8B = {
 }
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int) -> float:
     """Seconds per call, the calls run round-robin ``reps`` times (CUDA graph when possible)."""
     for c in calls:
         c()
-    sync(dev)
+    synchronize(dev)
     if dev.type != "cuda":
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -48,13 +44,13 @@ def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int)
                 for c in calls:
                     c()
         graph.replay()
-        sync(dev)
+        synchronize(dev)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(3):
             graph.replay()
         end.record()
-        sync(dev)
+        synchronize(dev)
         return start.elapsed_time(end) / 1e3 / (3 * n)
     except Exception:  # graph capture refused: plain launches (includes launch overhead)
         torch.cuda.synchronize(dev)
@@ -64,7 +60,7 @@ def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int)
             for c in calls:
                 c()
         end.record()
-        sync(dev)
+        synchronize(dev)
         return start.elapsed_time(end) / 1e3 / n
 
 
