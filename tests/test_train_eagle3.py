@@ -202,9 +202,8 @@ class Killed(Exception):
 def test_a_killed_run_resumes_where_it_stopped(tmp_path: Path) -> None:
     """Killed right after step 3's checkpoint, the same command continues from step 3 with the
     same draft vocabulary, and ends with the weights of a run that was never killed."""
-    from specpilot.train.settings import TrainSettings, smoke
-
     from specpilot.train.loop import train
+    from specpilot.train.settings import TrainSettings, smoke
 
     model = tiny_dir(tmp_path / "model", vocab=10)
     data = tiny_sharegpt(tmp_path / "sharegpt.json")
