@@ -60,7 +60,7 @@ from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
 from specpilot.kernels import reference
 from specpilot.kernels.gemm_common import counter_buffer
-from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
+from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, fits_registers, w12_gemv
 from specpilot.mechanisms.w12_format import decode, encode
 
 KERNELS = ("gemv", "fused", "w12", "w12f")
@@ -77,6 +77,7 @@ def grid(tiny: bool) -> list[GemvConfig]:
         for bn, bk, nw, st, sp in itertools.product(
             (16, 32, 64), (256, 512, 1024), (2, 4, 8), (1, 2), SPLITS
         )
+        if fits_registers(bn, bk, nw)  # the others spill (w12_gemv.MAX_TILE_PER_THREAD)
     ]
 
 

@@ -527,8 +527,14 @@ def test_trial_bound_formula_and_engine(make_tiny):
     real = spec.time_forward
     spec.time_forward = lambda w, iters=20: timed.append(w) or real(w, 2)  # type: ignore[method-assign]
     b = engine_speedup_bound(spec, 2.7, 4e-3, draft_s=1e-4)
-    assert timed == [1] and b.width == 1  # one token: a floor for any mix of widths
+    assert sorted(timed) == [1, 5] and b.width in (1, 5)  # the faster of 1 and k + 1
     assert b.bound == pytest.approx(2.7 * 4e-3 / (1e-4 + b.verify_s)) and b.verify_s > 0
+    # a width-1 forward slower than the widest (a kernel chosen by row count): the floor is the
+    # widest's time, not the one-token forward's (issue 26's fused-GEMV anomaly)
+    spec.time_forward = lambda w, iters=20: 12e-3 if w == 1 else 1e-3  # type: ignore[method-assign]
+    slow1 = engine_speedup_bound(spec, 6.0, 5e-3)
+    assert slow1.width == 5 and slow1.bound == pytest.approx(6.0 * 5e-3 / 1e-3)
+    spec.time_forward = real  # type: ignore[method-assign]
     assert engine_speedup_bound(spec, 5.0, 4e-3, width=5).width == 5
     with pytest.raises(ValueError, match="width must lie"):
         engine_speedup_bound(spec, 2.0, 1e-3, width=6)

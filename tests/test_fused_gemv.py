@@ -508,3 +508,16 @@ if __name__ == "__main__":
         _group_kernels(sys.argv[2])
     else:
         {"sm90": _group_sm90}[sys.argv[1]]()
+
+
+def test_tilings_that_spill_are_refused_before_any_build() -> None:
+    """Issue 26's fused-gemv anomaly (0.08x AR at tau 1): block_n 64 x block_k 1024 over 4 warps
+    is 512 weights per thread, which sm_90 builds spill (4.3-6.1 KB of stack per thread); the
+    config refuses it, so a tune candidate with it fails in milliseconds instead of running."""
+    from specpilot.kernels.w12_gemv import GemvConfig, fits_registers
+
+    assert fits_registers(16, 1024, 4) and fits_registers(64, 1024, 8)
+    assert not fits_registers(64, 1024, 4) and not fits_registers(32, 1024, 2)
+    with pytest.raises(ValueError, match="spill"):
+        GemvConfig(block_n=64, block_k=1024, num_warps=4)
+    GemvConfig(block_n=64, block_k=512, num_warps=4)  # 256 per thread: allowed

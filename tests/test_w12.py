@@ -51,7 +51,7 @@ def assert_round_trip(w: torch.Tensor, layout: str = "v3") -> W12Tensor:
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 7), (17, 33), (33, 64), (64, 129)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("layout", ["v3", "v2"])
+@pytest.mark.parametrize("layout", ["v3", "v2", "v4"])
 def test_round_trip_random_bit_patterns(shape: tuple[int, int], seed: int, layout: str) -> None:
     g = torch.Generator().manual_seed(seed)
     w = from_bits(torch.randint(0, 1 << 16, shape, generator=g))
@@ -88,7 +88,7 @@ def test_v3_bytes_hold_mantissa_and_the_partner_sign() -> None:
     v2 = encode(w, "v2").sm.to(torch.int64)
     assert torch.equal(v2[:, :70], (sign << 7) | mant)
     with pytest.raises(ValueError, match="layout"):
-        encode(w, "v4")
+        encode(w, "v5")
 
 
 def test_round_trip_special_values_and_edge_exponents() -> None:
@@ -302,6 +302,7 @@ def test_registered() -> None:
         "layers": "all",
         "max_m": 1,
         "decoder": "prmt",
+        "kernel": "table",
         "pdl": False,
     }
 

@@ -132,6 +132,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="order directions by a measured profile of the stock engine (default) or a fixed order",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kernel-budget",
+        type=float,
+        default=None,
+        help="seconds for the kernel search (W12 tensor-core tilings per shape and width on this "
+        "GPU, kept in the memory by GPU fingerprint; tune/kernel_search.py); default a quarter "
+        "of the search budget, at most 120; 0 skips it",
+    )
     b = p.add_argument_group("batched mode (continuous batching, docs/TUNE.md 'Batched mode')")
     b.add_argument(
         "--mode",
@@ -277,6 +285,14 @@ def run(args: argparse.Namespace) -> int:
     )
     directions = directions_for(base, device.type, arch, num_layers)
     with MemoryStore(args.memory or default_memory()) as store:
+        from specpilot.tune.kernel_search import search_for_tune
+
+        kernels, kernel_s = search_for_tune(
+            args.kernel_budget, base, executor, device, search_budget, store, notes
+        )
+        settings = dataclasses.replace(
+            settings, budget_seconds=max(settings.budget_seconds - kernel_s, 0.0)
+        )
         team = None
         if agent is not None:
             what = f"{label}; {arch}, {num_layers} layers; {what} {executor.ar_tok_s:.1f} tok/s"
@@ -294,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             resume=args.resume,
             log=lambda m: print(m, flush=True),
             planner=team,
+            kernels=kernels,
         )
         try:
             outcome = loop.run()

@@ -133,8 +133,9 @@ def build_engine(
     if dep.simulate_acceptance is not None:
         drafter = simulate(drafter, dep.simulate_acceptance)
     build = EngineBuild(
-        config=config, target=target, draft_model=draft, drafter=drafter, graphs=graphs
-    )
+        config=config, target=target, draft_model=draft, drafter=drafter, graphs=graphs,
+        kernel_tilings=config.mma_tilings(),
+    )  # fmt: skip
     cfg = target.model.cfg
     drafter_name = dep.drafter if drafter is not None else "none"
     for name, given in config.mechanisms.items():

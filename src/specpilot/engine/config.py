@@ -17,6 +17,7 @@ from specpilot.errors import SpecPilotError
 
 if TYPE_CHECKING:
     from specpilot.engine.gate import GateSettings
+    from specpilot.kernels.w12_tilings import MmaTilings
 
 DEFAULT_SEGMENT_TOKENS = 256
 """Prompt tokens a newly admitted request feeds per scheduler step when nothing says otherwise."""
@@ -40,6 +41,11 @@ class EngineConfig:
     its drafts do not pay and probes again later. None = the defaults (on); ``{"enabled":
     false}`` drafts on every cycle."""
 
+    kernels: dict[str, Any] | None = None
+    """Kernel tilings the tune's kernel search measured on this GPU, by kernel:
+    ``{"w12_mma": MmaTilings.to_json()}`` (``tune/kernel_search.py``). None = the kernels'
+    cold-start tables."""
+
     def __post_init__(self) -> None:
         if self.k < 0:
             raise SpecPilotError(f"k must be at least 0, got {self.k}.")
@@ -62,6 +68,18 @@ class EngineConfig:
             except ValueError as e:
                 raise SpecPilotError(f"Engine config: {e}.") from None
 
+    def mma_tilings(self) -> MmaTilings | None:
+        """The W12 tensor-core kernel's searched tilings, if the config carries them."""
+        from specpilot.kernels.w12_tilings import MmaTilings
+
+        data = (self.kernels or {}).get("w12_mma")
+        if data is None:
+            return None
+        try:
+            return MmaTilings.from_json(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecPilotError(f"Engine config: bad kernels.w12_mma tilings ({e}).") from None
+
     def gate_settings(self) -> GateSettings:
         from specpilot.engine.gate import GateSettings
 
@@ -69,7 +87,7 @@ class EngineConfig:
 
     def to_json(self) -> str:
         d = asdict(self)
-        for unset in ("segment_tokens", "gate"):  # the JSON (and the config hash) stay as before
+        for unset in ("segment_tokens", "gate", "kernels"):  # the JSON (and hash) stay as before
             if d[unset] is None:
                 del d[unset]
         if d["deployment"]["simulate_acceptance"] is None:
@@ -92,6 +110,7 @@ class EngineConfig:
                     None if d.get("segment_tokens") is None else int(d["segment_tokens"])
                 ),
                 gate=None if d.get("gate") is None else dict(d["gate"]),
+                kernels=None if d.get("kernels") is None else dict(d["kernels"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecPilotError(f"Engine config is malformed ({e}).") from None

@@ -197,6 +197,22 @@ def k_splits(k: int, block_k: int, want: int) -> tuple[int, int]:
     return triton.cdiv(k, k_split), k_split
 
 
+def outputs(
+    m: int, n: int, grid: tuple[int, int, int], counters: Tensor, device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(y [M, N], partials [split, M, N] fp32)`` of a launch on ``grid`` (N tiles, M tiles,
+    splits); for one split a never-written fp32 stand-in (``counters``) keeps one kernel
+    specialization. Checks that the counters cover the grid's tiles."""
+    split = grid[2]
+    if split > 1 and grid[0] * grid[1] > counters.numel():
+        raise ValueError("counter buffer too small for this split-K launch")
+    y = torch.empty(m, n, dtype=dtype, device=device)
+    if split > 1:
+        return y, torch.empty(split, m, n, dtype=torch.float32, device=device)
+    return y, counters.view(torch.float32)
+
+
 def counter_buffer(n: int, device: torch.device) -> Tensor:  # [tiles] int32 zeros
     """Split-K arrival counters for one weight (any config with block_n >= 16, M <= 64)."""
     return torch.zeros(
@@ -212,4 +228,5 @@ __all__ = [
     "counter_buffer",
     "default_config",
     "k_splits",
+    "outputs",
 ]

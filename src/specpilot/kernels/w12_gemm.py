@@ -63,6 +63,7 @@ from specpilot.kernels.gemm_common import (
     _x_operand,
     counter_buffer,
     default_config,
+    outputs,
 )
 from specpilot.kernels.w12_decode import (
     _bits_to_operand,
@@ -71,6 +72,7 @@ from specpilot.kernels.w12_decode import (
     decode_tile_bits_ops,
     decode_tiles_bf16_ptx,
 )
+from specpilot.kernels.w12_escapes import escape_dots
 from specpilot.mechanisms.w12_format import ESC_ROWS, ESCAPE, GROUP, W12Tensor, decode
 
 ESC_CHUNK = 32
@@ -301,45 +303,11 @@ def _linear_kernel(
         acc = tl.trans(acc)  # [BM, BN]
 
     if W12:  # add the escaped weights' products and remove the placeholders'
-        n_blocks = (N + ESC_BLOCK_ROWS - 1) // ESC_BLOCK_ROWS
-        for r in tl.static_range(BLOCK_N // ESC_BLOCK_ROWS):
-            blk = pid_n * (BLOCK_N // ESC_BLOCK_ROWS) + r
-            start = tl.load(off_ptr + blk, mask=blk < n_blocks, other=0)
-            end = tl.load(off_ptr + blk + 1, mask=blk < n_blocks, other=0)
-            e0 = start
-            while e0 < end:  # usually 0-2 steps; a while loop also runs in the interpreter
-                idx = e0 + tl.arange(0, ESC_STEP)  # [E]
-                e0 += ESC_STEP
-                rec = tl.load(rec_ptr + idx, mask=idx < end, other=0)
-                pos = rec >> 8
-                n_e = blk * ESC_BLOCK_ROWS + pos // K  # [E]
-                k_e = pos % K
-                e_ok = (idx < end) & (k_e >= k_lo) & (k_e < k_hi)
-                if V3:  # the escaped weights themselves
-                    val = tl.load(val_ptr + idx, mask=e_ok, other=0.0)
-                    w_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [E]
-                    sm_bits = w_bits & 0x807F
-                else:
-                    sme = tl.load(sm_ptr + n_e * stride_sm + k_e, mask=e_ok, other=0)
-                    sm_bits = sme.to(tl.int8, bitcast=True).to(tl.int32) & 0x807F  # [E]
-                    w_bits = sm_bits | ((rec & 0xFF) << 7)  # [E] the escaped weights
-                hit = (n_e[:, None] == offs_n[None, :]) & e_ok[:, None]  # [E, BN]
-                x_mask = m_ok[:, None] & e_ok[None, :]
-                xg = tl.load(
-                    x_ptr + offs_m[:, None] * stride_xm + k_e[None, :], mask=x_mask, other=0.0
-                )  # [BM, E]
-                p_bits = sm_bits | (base << 7)  # the placeholder the dense loop used
-                if USE_DOT:
-                    fix = _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET)
-                    acc = tl.dot(_x_operand(xg, INTERPRET), fix, acc)  # [BM, BN]
-                    neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
-                    acc = tl.dot(_x_operand(xg, INTERPRET), _bits_to_operand(neg_p, INTERPRET), acc)
-                else:  # BLOCK_M == 1
-                    xe = tl.reshape(_bf16_to_f32(xg), (ESC_STEP,))  # [E]
-                    prod = xe * (_bits_to_f32(w_bits) - _bits_to_f32(p_bits))  # exact in fp32
-                    acc += tl.reshape(
-                        tl.sum(tl.where(hit, prod[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
-                    )
+        acc = escape_dots(
+            acc, pid_n, offs_m, offs_n, m_ok, N, K, k_lo, k_hi, base, x_ptr, stride_xm,
+            off_ptr, rec_ptr, val_ptr, sm_ptr, stride_sm, V3, USE_DOT, BLOCK_M, BLOCK_N,
+            ESC_BLOCK_ROWS, ESC_STEP, INTERPRET,
+        )  # fmt: skip
 
     _store_tile(
         acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, offs_m, offs_n, m_ok, n_ok, stride_ym,
@@ -365,14 +333,7 @@ def _launch(
     bm = _block_m(m, cfg)
     split, k_split = _split(m, n, k, cfg, x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
-    if split > 1 and grid[0] * grid[1] > counters.numel():
-        raise ValueError("counter buffer too small for this split-K launch")
-    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    part = (  # [split, M, N]; a never-written fp32 stand-in keeps one specialization for split 1
-        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        if split > 1
-        else counters.view(torch.float32)
-    )
+    y, part = outputs(m, n, grid, counters, x.device)  # [M, N], [split, M, N]
     even = n % cfg.block_n == 0 and k % k_split == 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if w12 is not None:

@@ -269,6 +269,24 @@ class GemvConfig:
 
     def __post_init__(self) -> None:
         check_tiling(self.block_n, self.block_k, GROUP)
+        if not fits_registers(self.block_n, self.block_k, self.num_warps):
+            raise ValueError(
+                f"a {self.block_n} x {self.block_k} GEMV tile with {self.num_warps} warps holds "
+                f"{self.block_n * self.block_k // (32 * self.num_warps)} weights per thread "
+                f"(at most {MAX_TILE_PER_THREAD}): it would spill to local memory"
+            )
+
+
+MAX_TILE_PER_THREAD = 256
+"""Weights of one K step per thread above which the GEMV spills heavily: sm_90 builds (ptxas,
+triton 3.6) of 512 per thread (64 x 1024 or 32 x 1024 over 4 warps, 32 x 1024 over 2) keep
+4.3-6.1 KB of stack per thread and ran 12x slower than their neighbours on the H200 (issue 26's
+fused-gemv 'anomaly', 0.08x AR); 256 per thread keep 0.2-0.6 KB, 128 none."""
+
+
+def fits_registers(block_n: int, block_k: int, num_warps: int) -> bool:
+    """Whether a GEMV tiling stays within ``MAX_TILE_PER_THREAD`` weights per thread."""
+    return block_n * block_k <= MAX_TILE_PER_THREAD * 32 * num_warps
 
 
 ESC_STEP = 16

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from specpilot.drafters.tree import TreeShape
     from specpilot.engine.tree_policy import TreePolicy
     from specpilot.engine.widths import WidthPolicy
+    from specpilot.kernels.w12_tilings import MmaTilings
     from specpilot.runtime import LoadedModel
 
 
@@ -41,3 +42,6 @@ class EngineParts:
     """Bounds of a host drafter's trie per row (n-gram trees; plug point ``verify_strategy``)."""
     notes: list[str] = field(default_factory=list)
     """What each mechanism did, for reports."""
+    kernel_tilings: MmaTilings | None = None
+    """Tilings the kernel search measured on this GPU (``tune/kernel_search.py``); None: the
+    kernels' cold-start tables."""

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from specpilot.errors import SpecPilotError
 from specpilot.kernels import triton_usable
+from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaTilings
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
 
@@ -64,13 +65,26 @@ LAYER_SETS = {
 class W12Linear:
     """``fn(x [.., K], bias [N] | None) -> [.., N]``: F.linear over a W12 copy of ``weight``."""
 
-    def __init__(self, weight: Tensor, max_m: int, prmt: bool, pdl: bool = False) -> None:
+    def __init__(
+        self,
+        weight: Tensor,
+        max_m: int,
+        prmt: bool,
+        pdl: bool = False,
+        kernel: str = "table",
+        tilings: MmaTilings | None = None,
+    ) -> None:
         from specpilot.kernels.gemm_common import counter_buffer
 
         if weight.dtype != torch.bfloat16 or weight.dim() != 2:
             raise SpecPilotError("W12 applies to 2-D bf16 weights only; load the model in bf16.")
         self.weight = weight  # [N, K] bf16: the stock parameter (kept for M > max_m)
-        self.w12: W12Tensor = encode(weight.detach())
+        self.kernel = (
+            kernel  # "table": v3 GEMV / tl.dot (kernels/w12_linear); "mma": v4 tensor cores
+        )
+        self.tilings = tilings
+        layout = "v4" if kernel == "mma" else "v3"
+        self.w12: W12Tensor = encode(weight.detach(), layout)
         if not torch.equal(decode(self.w12).view(torch.int16), weight.detach().view(torch.int16)):
             raise SpecPilotError("W12 round trip changed a weight; refusing to install it.")
         self.max_m = max_m
@@ -87,8 +101,14 @@ class W12Linear:
             return F.linear(x, self.weight, bias)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        y = w12_linear(x2, self.w12, self.counters, bias, ptx=self.prmt, pdl=self.pdl)  # [M, N]
-        return y.view(*x.shape[:-1], n)
+        if self.kernel == "mma":
+            from specpilot.kernels.w12_mma import w12_mma
+
+            cfg = (self.tilings or DEFAULT_TILINGS).config(x2.shape[0], n, k)
+            y = w12_mma(x2, self.w12, self.counters, bias, cfg=cfg, ptx=self.prmt)
+        else:
+            y = w12_linear(x2, self.w12, self.counters, bias, ptx=self.prmt, pdl=self.pdl)
+        return y.view(*x.shape[:-1], n)  # [.., N]
 
 
 def install(
@@ -97,8 +117,11 @@ def install(
     max_m: int = 64,
     decoder: str = "prmt",
     pdl: bool = False,
+    kernel: str = "table",
+    tilings: MmaTilings | None = None,
 ) -> dict[str, float]:
-    """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts."""
+    """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts
+    (``kernel="mma"``: layout v4 and the tensor-core kernel, tiled by ``tilings``)."""
     from specpilot.models.layer import DecoderLayer
 
     if model.dtype != torch.bfloat16:
@@ -110,7 +133,7 @@ def install(
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         for name in names:
-            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt", pdl)
+            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt", pdl, kernel, tilings)
             layer.linear_fns[name] = lin
             n, k = lin.w12.shape
             stored_bits += 8.0 * lin.w12.nbytes()
@@ -129,6 +152,8 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
         max_m=knobs["max_m"],
         decoder=knobs["decoder"],
         pdl=knobs["pdl"],
+        kernel=knobs.get("kernel", "table"),
+        tilings=build.kernel_tilings,
     )
     build.notes.append(
         f"w12: {stats['bits_per_weight']:.3f} bits/weight, {100 * stats['escape_frac']:.4f}% escapes"
@@ -166,6 +191,14 @@ MECHANISM = Mechanism(
             "prmt",
             choices=("prmt", "ops"),
             doc="decode with inline PTX (byte permute + rotate), or with plain Triton integer ops",
+        ),
+        Knob(
+            "kernel",
+            "table",
+            choices=("table", "mma"),
+            doc="table: layout v3, the CUDA-core GEMV or the tl.dot kernel per M "
+            "(kernels/w12_linear.py); mma: layout v4 decoded into the tensor cores' operand "
+            "registers for every M up to max_m (kernels/w12_mma.py), tiled by the kernel search",
         ),
         Knob(
             "pdl",

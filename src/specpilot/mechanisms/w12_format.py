@@ -2,8 +2,10 @@
 
 A bf16 is ``sign(1) | exponent(8) | mantissa(7)``. Trained weights use few exponents (all-MiniLM-L6-v2
 cast to bf16: ≈2.66 bits of exponent entropy), so W12 keeps sign and mantissa verbatim and replaces
-the exponent by a 4-bit code. Two byte layouts exist (``layout``); ``"v3"`` is what the engine uses,
-``"v2"`` is kept so that the GPU script can time the previous kernel on the same weights.
+the exponent by a 4-bit code. Three byte layouts exist (``layout``): ``"v3"`` is what the GEMV and
+the first ``tl.dot`` kernel read, ``"v4"`` (the same bytes in another order, below) is what the
+tensor-core kernel ``kernels/w12_mma.py`` reads, ``"v2"`` is kept so that the GPU script can time
+the previous kernel on the same weights.
 
 ``sm``       ``[N, Kp]`` uint8 with ``Kp = 64 * ceil(K / 64)`` (columns past K are 0), one byte per
              weight: ``v3``: ``mantissa << 1 | sign of column k ^ 1`` (the sign of the *other*
@@ -12,6 +14,14 @@ the exponent by a 4-bit code. Two byte layouts exist (``layout``); ``"v3"`` is w
              the exponent code of column ``64g + j`` in its low nibble and of column ``64g + 32 + j``
              in its high nibble (columns past K get code 0). Code ``c >= 1`` means exponent
              ``base + c``; code 0 is the **escape**.
+``v4``       per 64-column group, 16 words of 4 bytes, one byte for each of the columns
+             ``(w, w + 16, w + 32, w + 48)`` ("quarters" 0..3) of word ``w``: ``sm`` byte ``4w + q``
+             is column ``16q + w``'s ``mantissa << 1 | sign of column k ^ 16`` (its partner is the
+             other quarter of its pair (0, 1) or (2, 3) in the *same* word), and ``codes``
+             half-word ``w`` (little-endian) holds the codes of quarters 0, 2, 1, 3 in bits
+             ``0-3, 4-7, 8-11, 12-15``. So every word decodes on its own (``kernels/w12_mma.py``:
+             the decode is elementwise whatever layout the compiler gives it) and a tensor-core
+             kernel can decode ``[rows, words]`` tiles straight into its operand registers.
 ``base``     one int per tensor: codes 1..15 cover the window ``[base + 1, base + 15]``
              (``0 <= base <= 240``) that holds the most weights; the encoder picks it from the
              tensor's exponent histogram. An escape decodes to the placeholder exponent ``base``.
@@ -81,9 +91,12 @@ MAX_K = 1 << 19
 """Records pack ``(n % 16) * K + k`` in 20 bits above the 8-bit exponent, so K < 2**19."""
 
 
-LAYOUTS = ("v3", "v2")
-"""Byte layouts of ``sm``: ``v3`` ``mantissa << 1 | partner's sign`` (the engine's), ``v2``
-``sign << 7 | mantissa`` (the previous kernel's, kept for comparisons)."""
+LAYOUTS = ("v3", "v2", "v4")
+"""Byte layouts of ``sm``: ``v3`` ``mantissa << 1 | partner's sign`` (the GEMV's), ``v2``
+``sign << 7 | mantissa`` (the previous kernel's, kept for comparisons), ``v4`` v3's bytes and codes
+reordered per 64-column group for the tensor-core kernel."""
+QUARTER = GROUP // 4
+"""v4: a group is 4 quarters of 16 columns; word ``w`` of a group holds column ``w`` of each."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +112,9 @@ class W12Tensor:
     base_t: Tensor  # [1] int32: ``base`` on the device, for kernels that must load it
     k: int  # columns of the matrix (``sm`` holds Kp >= k)
     layout: str = "v3"
+    tile_escapes: tuple[int, ...] = ()
+    """Most escapes in any tile of ``64 << i`` rows (i = 0, 1, 2), counted at encode time, so a
+    tiled kernel sizes its escape chunk without reading the device (``kernels/w12_mma.py``)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -140,6 +156,7 @@ class W12Tensor:
             base_t=self.base_t.to(device),
             k=self.k,
             layout=self.layout,
+            tile_escapes=self.tile_escapes,
         )
 
 
@@ -162,21 +179,60 @@ def choose_top(exponents: Tensor) -> int:
     return int(tops[int(torch.argmax(covered))])
 
 
+def _partner(t: Tensor, layout: str) -> Tensor:  # [N, Kp] -> the value of each column's partner
+    if layout == "v4":  # column k ^ 16
+        n, kp = t.shape
+        return t.view(n, kp // 32, 2, 16).flip(2).reshape(n, kp)
+    return t.view(t.shape[0], -1, 2).flip(-1).reshape(t.shape)  # column k ^ 1
+
+
 def _pack_sm(bits: Tensor, layout: str) -> Tensor:  # [N, Kp] int32 bf16 bits -> [N, Kp] uint8
     sign = (bits >> 15) & 1
     mant = bits & 0x7F
     if layout == "v2":
         return ((sign << 7) | mant).to(torch.uint8)
-    partner = sign.view(bits.shape[0], -1, 2).flip(-1).reshape(bits.shape)  # sign of column k ^ 1
-    return ((mant << 1) | partner).to(torch.uint8)
+    sm = ((mant << 1) | _partner(sign, layout)).to(torch.uint8)  # by column
+    return _v4_order(sm) if layout == "v4" else sm
+
+
+def _v4_order(t: Tensor) -> Tensor:  # [N, Kp] by column -> [N, Kp] v4 byte order
+    n, kp = t.shape
+    return t.view(n, kp // GROUP, 4, QUARTER).transpose(2, 3).reshape(n, kp)
+
+
+def _v4_columns(t: Tensor) -> Tensor:  # [N, Kp] v4 byte order -> [N, Kp] by column
+    n, kp = t.shape
+    return t.view(n, kp // GROUP, QUARTER, 4).transpose(2, 3).reshape(n, kp)
+
+
+def _pack_codes(code: Tensor, layout: str) -> Tensor:  # [N, Kp] int codes -> [N, Kp / 2] uint8
+    n, kp = code.shape
+    if layout == "v4":  # half-word w of a group: quarters 0, 2 in byte 0, quarters 1, 3 in byte 1
+        c = code.view(n, kp // GROUP, 4, QUARTER)
+        pair = torch.stack([c[:, :, 0] | (c[:, :, 2] << 4), c[:, :, 1] | (c[:, :, 3] << 4)], -1)
+        return pair.to(torch.uint8).reshape(n, kp // 2)  # [N, groups, 16, 2] bytes
+    c = code.view(n, kp // GROUP, 2, HALF)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
+
+
+def _unpack_codes(codes: Tensor, layout: str) -> Tensor:  # [N, Kp / 2] uint8 -> [N, Kp] int32
+    n = codes.shape[0]
+    c = codes.to(torch.int32)
+    if layout == "v4":
+        b = c.view(n, -1, QUARTER, 2)  # [N, groups, 16, 2]
+        q = torch.stack([b[..., 0] & 0xF, b[..., 1] & 0xF, b[..., 0] >> 4, b[..., 1] >> 4], 2)
+        return q.reshape(n, -1)  # [N, groups, 4, 16] -> by column
+    c = c.view(n, -1, HALF)  # [N, groups, 32]
+    return torch.stack([c & 0xF, c >> 4], dim=2).reshape(n, -1)
 
 
 def _unpack_sm(sm: Tensor, layout: str) -> tuple[Tensor, Tensor]:  # -> sign, mantissa [N, Kp]
+    if layout == "v4":
+        sm = _v4_columns(sm)
     b = sm.to(torch.int32)
     if layout == "v2":
         return b >> 7, b & 0x7F
-    sign = (b & 1).view(b.shape[0], -1, 2).flip(-1).reshape(b.shape)
-    return sign, b >> 1
+    return _partner(b & 1, layout), b >> 1
 
 
 def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
@@ -196,8 +252,7 @@ def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
     code = exp - base  # [N, K]
     esc = (code < 1) | (code > WINDOW)
     code = torch.where(esc, torch.full_like(code, ESCAPE), code)
-    code = F.pad(code, (0, kp - k), value=ESCAPE).view(n, kp // GROUP, 2, HALF)
-    codes = (code[:, :, 0] | (code[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
+    codes = _pack_codes(F.pad(code, (0, kp - k), value=ESCAPE), layout)  # [N, Kp / 2]
 
     rows, cols = esc.nonzero(as_tuple=True)  # row-major: sorted by (n, k)
     records = ((((rows % ESC_ROWS) * k + cols) << 8) | exp[rows, cols]).to(torch.int32)
@@ -205,6 +260,10 @@ def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
     per_block = torch.bincount(rows // ESC_ROWS, minlength=blocks)  # [blocks]
     offsets = torch.zeros(blocks + 1, dtype=torch.int64, device=w.device)
     offsets[1:] = per_block.cumsum(0)
+    tiles = tuple(
+        int(torch.bincount(rows // (64 << i), minlength=1).max()) if rows.numel() else 0
+        for i in range(3)
+    )
     return W12Tensor(
         sm=sm,
         codes=codes,
@@ -215,16 +274,15 @@ def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
         base_t=torch.tensor([base], dtype=torch.int32, device=w.device),
         k=k,
         layout=layout,
+        tile_escapes=tiles,
     )
 
 
 def decode(t: W12Tensor) -> Tensor:
     """W12 -> ``[N, K]`` bf16, bit-identical to what was encoded."""
-    n, k = t.shape
+    k = t.k
     sign, mant = _unpack_sm(t.sm, t.layout)  # [N, Kp]
-    c = t.codes.to(torch.int32).view(n, -1, HALF)  # [N, groups, 32]
-    code = torch.stack([c & 0xF, c >> 4], dim=2).reshape(n, -1)  # [N, Kp]
-    exp = t.base + code
+    exp = t.base + _unpack_codes(t.codes, t.layout)  # [N, Kp]
     rec = t.esc_records.to(torch.int64)  # [n_esc]
     if rec.numel():
         block_of = torch.repeat_interleave(

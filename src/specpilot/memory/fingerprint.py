@@ -102,3 +102,43 @@ def fingerprint_deployment(
         dtype=dtype,
         mode=mode,
     )
+
+
+def gpu_fingerprint(device: torch.device, copy_bandwidth: float | None = None) -> dict[str, str]:
+    """What a kernel's measured tiling depends on: the GPU (name, capability, SM count, memory
+    size, memory clock and bus width where NVML or torch tell them), the driver, torch and triton.
+    ``key`` (16 hex) hashes these; ``copy_bw`` (TB/s, measured) is recorded beside, not hashed,
+    since it moves run to run."""
+    info: dict[str, str] = {"torch": torch.__version__}
+    try:
+        import triton
+
+        info["triton"] = str(triton.__version__)
+    except ImportError:
+        info["triton"] = "-"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info |= {
+            "name": p.name,
+            "capability": f"sm_{p.major}{p.minor}",
+            "sms": str(p.multi_processor_count),
+            "memory_gib": str(round(p.total_memory / 2**30)),
+            "cuda": str(torch.version.cuda),
+        }
+        for attr, field_name in (("memory_clock_rate", "mem_clock_khz"),
+                                 ("memory_bus_width", "mem_bus_bits")):  # fmt: skip
+            if hasattr(p, attr):
+                info[field_name] = str(getattr(p, attr))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            info["driver"] = str(pynvml.nvmlSystemGetDriverVersion())
+        except Exception:
+            info["driver"] = str(torch.version.cuda)
+    else:
+        info |= {"name": platform.processor() or platform.machine(), "capability": "cpu"}
+    info["key"] = hashlib.sha256("|".join(f"{k}={v}" for k, v in sorted(info.items())).encode()).hexdigest()[:16]  # fmt: skip
+    if copy_bandwidth is not None:
+        info["copy_bw_TBps"] = f"{copy_bandwidth / 1e12:.2f}"
+    return info

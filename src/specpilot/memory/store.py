@@ -78,6 +78,17 @@ CREATE TABLE IF NOT EXISTS kernels (
     created REAL NOT NULL,
     UNIQUE (slot, device, source_hash)
 );
+CREATE TABLE IF NOT EXISTS kernel_tilings (
+    gpu TEXT NOT NULL,                  -- memory.fingerprint.gpu_fingerprint()["key"]
+    kernel TEXT NOT NULL,               -- e.g. w12_mma
+    shape TEXT NOT NULL,                -- "NxK" of the weight
+    width INTEGER NOT NULL,             -- the M bucket
+    config TEXT NOT NULL,               -- JSON: the winning tiling
+    metrics TEXT NOT NULL,              -- JSON: times, the default's and cuBLAS's, device seconds
+    gpu_info TEXT NOT NULL,             -- JSON: the fingerprint's fields
+    created REAL NOT NULL,
+    PRIMARY KEY (gpu, kernel, shape, width)
+);
 """
 
 
@@ -244,6 +255,36 @@ class MemoryStore:
                 ),
             )  # fmt: skip
             return int(cur.lastrowid or 0)
+
+    def put_tiling(
+        self,
+        gpu: dict[str, str],
+        kernel: str,
+        shape: tuple[int, int],
+        width: int,
+        config: dict[str, Any],
+        metrics: dict[str, Any],
+    ) -> None:
+        """Record the kernel search's winner for one weight shape and width on one GPU."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO kernel_tilings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (gpu["key"], kernel, f"{shape[0]}x{shape[1]}", width, json.dumps(config),
+                 json.dumps(metrics), json.dumps(gpu), time.time()),
+            )  # fmt: skip
+
+    def tilings(self, gpu_key: str, kernel: str) -> dict[tuple[int, int, int], dict[str, Any]]:
+        """The kernel search's winners on GPU ``gpu_key``: ``(N, K, width) -> {"config",
+        "metrics"}``."""
+        rows = self._db.execute(
+            "SELECT shape, width, config, metrics FROM kernel_tilings WHERE gpu = ? AND kernel = ?",
+            (gpu_key, kernel),
+        ).fetchall()
+        out = {}
+        for shape, width, config, metrics in rows:
+            n, k = (int(v) for v in shape.split("x"))
+            out[(n, k, int(width))] = {"config": json.loads(config), "metrics": json.loads(metrics)}
+        return out
 
     # ---------------------------------------------------------------- reads
     def kernels(

@@ -25,6 +25,7 @@ memory's one writer; workers only return results.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +33,7 @@ from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
+from specpilot.tune.build_estimate import BuildEstimates
 from specpilot.tune.confirm import best_contender, clock, confirm_winner
 from specpilot.tune.dispatch import Batch, stream_batches
 from specpilot.tune.evaluate import TrialResult
@@ -70,6 +72,7 @@ class TuneLoop:
         resume: bool = False,
         log: Callable[[str], None] = print,
         planner: RoundPlanner | None = None,
+        kernels: dict[str, Any] | None = None,
     ) -> None:
         self.base, self.executor, self.store, self.fp = base, executor, store, fingerprint
         self.pool = executor if isinstance(executor, StreamingExecutor) else None
@@ -92,7 +95,13 @@ class TuneLoop:
         self.quarantined: set[str] = set()
         self._proposed: set[str] = set()
         """Directions that have proposed at least once (a probe proposes one trial first)."""
+        self.kernels = kernels
+        """The kernel search's tilings (``EngineConfig.kernels``), given to every candidate that
+        runs W12's tensor-core kernel."""
         self.deployment = store.add_deployment(fingerprint, label)
+        self.builds = BuildEstimates(
+            (t.config, t.wall_seconds) for t in store.trials(deployment=self.deployment)
+        )
         previous = store.latest_run(self.deployment) if resume else None
         if previous is not None:
             self.run_id = previous[0]
@@ -126,6 +135,7 @@ class TuneLoop:
         Configs are sent in chunks of the executor's width (or one by one to a streaming
         executor); before each chunk (trial) the budget is checked (unless ``force``), so the
         result may be shorter than ``configs``."""
+        configs = [self._prepared(c) for c in configs]
         if self.pool is not None:
             return self._stream([Batch(round_, explorer, list(configs), force)])[0]
         todo = list(
@@ -136,6 +146,11 @@ class TuneLoop:
         for i in range(0, len(todo), width):
             if not force and not self._time_left():
                 self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
+                break
+            left = self.settings.budget_seconds - self.elapsed()
+            fits, why = self.builds.fits(todo[i : i + width], left)
+            if not force and not fits:
+                self.log(f"  [{explorer}] not started: {why}; {len(todo) - i} candidates not run")
                 break
             t0 = time.perf_counter()
             for r in self.executor.map(todo[i : i + width]):
@@ -194,7 +209,9 @@ class TuneLoop:
         queue on the pool (led by the stock engine if ``stock``; then its result too)."""
         self._plan(round_, picked, best)
         plans = [(d, self.explorers[d.name].propose(best, self._trials(d))) for d in picked]
-        batches = [Batch(round_, d.name, [p.config for p in props]) for d, props in plans]
+        batches = [
+            Batch(round_, d.name, [self._prepared(p.config) for p in props]) for d, props in plans
+        ]
         lead = [Batch(0, "stock", [self.base], force=True)] if stock else []
         got = self._stream(lead + batches)
         out = [(d, props, res) for (d, props), res in zip(plans, got[len(lead) :], strict=True)]
@@ -248,7 +265,15 @@ class TuneLoop:
         at = self.finished.get(config_hash(r.config), self.elapsed())
         return Trial(round_, explorer, r, elapsed=at, **kw)
 
+    def _prepared(self, c: EngineConfig) -> EngineConfig:
+        """``c`` with the kernel search's tilings if it runs W12's tensor-core kernel."""
+        w12 = c.mechanisms.get("w12")
+        if self.kernels is None or w12 is None or w12.get("kernel") != "mma":
+            return c
+        return dataclasses.replace(c, kernels=self.kernels)
+
     def _record(self, round_: int, explorer: str, c: EngineConfig, r: TrialResult) -> None:
+        self.builds.record(c, r.wall_seconds)
         h = config_hash(c)
         self.store.add_trial(
             self.run_id,

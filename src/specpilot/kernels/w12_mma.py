@@ -1,0 +1,288 @@
+"""``y[M, N] = x[M, K] @ W^T (+ b)`` on the tensor cores for M <= 64, W in W12 layout ``v4``.
+
+The weights are the MMA's A operand (``acc^T [BLOCK_R, BLOCK_M] += W [BLOCK_R, BK] @ x^T``: swap AB,
+so the weight rows fill wgmma's 64-row side and the tokens its 8-64-wide side), decoded from
+registers straight into the A fragments: Triton's MMAv3 path keeps a dot's A operand in registers
+when everything between its loads and the dot is elementwise (here one pure ``inline_asm``), so
+the bytes go global -> shared (``cp.async``, ``num_stages`` deep) -> registers in the fragment
+layout -> decode -> ``wgmma`` with A from registers, with no decoded tile in shared memory.
+
+Layout v4 (``mechanisms/w12_format.py``) makes the decode elementwise: one 32-bit ``sm`` word and
+one 16-bit code word describe weights ``(w, w + 16, w + 32, w + 48)`` of a 64-column group, each
+word carrying its own signs (quarter pairs (0, 1), (2, 3)), so a ``[BR, BK / 4]`` int32 tile and a
+same-shaped int16 tile decode into four ``[BR, BK / 4]`` bf16 operands, one per quarter, whatever
+layout the compiler picks, and four dots take the matching columns of x. Per two words (eight
+weights, four output registers of bf16 pairs):
+
+    e01 = (codes & 0x0F0F0F0F) + base4; e23 = ((codes >> 4) & 0x0F0F0F0F) + base4
+    per word and quarter pair: rotate_right(prmt(word, e, sel), 1)  # [b, E, b', E'] -> 2 bf16
+    per quarter: prmt(a, b, 0x5410 | 0x7632)                        # regroup the two words
+
+17 integer instructions per 8 weights (~2.1), against 1.6 in the GEMV but with no FMA per row:
+the tensor core does the products for every token at once. An escape (code 0) decodes to the
+placeholder (exponent ``base``); after the loop the products of the escaped weights are added
+and the placeholders' removed by two small dots (``w12_escapes.escape_dots``), as in
+``w12_gemm``. ``base`` is a compile-time constant (a runtime scalar would route the tile through
+shared memory), so each distinct ``base`` is one compile.
+
+Exactness: the decoded operand is bit for bit the bf16 weight (the placeholder at escapes), a
+bf16 product is exact in fp32, every product enters one fp32 sum once: the result differs from
+``F.linear`` on the decoded weights only in the order of the fp32 additions (``w12_gemm``'s
+argument and bound). Split-K partials are reduced in a fixed order (``gemm_common._store_tile``).
+
+The interpreter (CPU tests) cannot run inline PTX: there the same bits come from plain integer ops,
+with exact fp32 operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from specpilot.kernels.gemm_common import (
+    MAX_COUNTER_TILES_M,
+    MAX_SPLIT_K,
+    _num_sms,
+    _store_tile,
+    _x_operand,
+    k_splits,
+    outputs,
+)
+from specpilot.kernels.w12_decode import _bits_to_operand
+from specpilot.kernels.w12_escapes import apply_tile_escapes, tile_escapes
+from specpilot.kernels.w12_tilings import MAX_ROWS, MmaConfig
+from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, QUARTER, W12Tensor
+
+_Q = tl.constexpr(QUARTER)
+_GROUP = tl.constexpr(GROUP)
+_ESC_ROWS = tl.constexpr(ESC_ROWS)
+
+_DECODE_V4 = tl.constexpr("""{
+    .reg .b32 e01, e23, a01, b01, a23, b23;
+    and.b32 e01, $6, 0x0F0F0F0F;
+    add.u32 e01, e01, $7;
+    shr.u32 e23, $6, 4;
+    and.b32 e23, e23, 0x0F0F0F0F;
+    add.u32 e23, e23, $7;
+    prmt.b32 a01, $4, e01, 0x5140;
+    shf.r.wrap.b32 a01, a01, a01, 1;
+    prmt.b32 b01, $5, e01, 0x7160;
+    shf.r.wrap.b32 b01, b01, b01, 1;
+    prmt.b32 a23, $4, e23, 0x5342;
+    shf.r.wrap.b32 a23, a23, a23, 1;
+    prmt.b32 b23, $5, e23, 0x7362;
+    shf.r.wrap.b32 b23, b23, b23, 1;
+    prmt.b32 $0, a01, b01, 0x5410;
+    prmt.b32 $1, a01, b01, 0x7632;
+    prmt.b32 $2, a23, b23, 0x5410;
+    prmt.b32 $3, a23, b23, 0x7632;
+    }""")
+"""Two ``sm`` words ``$4``, ``$5`` (two elements, decoded independently), their code half-words
+packed in ``$6``, ``base * 0x01010101`` in ``$7`` -> quarters 0..3 (``$0``..``$3``), each the
+bf16 pair (word ``$4``'s, word ``$5``'s): per word ``[b_q, E_q, b_q^1, E_q^1]`` rotated right by
+one bit is the bf16 pair of quarters ``q``, ``q ^ 1``, then a byte permute regroups by quarter."""
+
+
+@triton.jit
+def _decode_ptx(s, c, base4):
+    """``s [BR, W]`` int32 ``sm`` words, ``c [BR, W]`` int16 code words, ``base4`` int32 (a
+    constant tile) -> the four quarters' bf16 tiles (GPU only)."""
+    return tl.inline_asm_elementwise(
+        _DECODE_V4, "=r,=r,=r,=r,r,r,r,r,r", [s, c, base4],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quarter_ops(s, c, BASE: tl.constexpr, Q: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quarter ``Q`` of words ``s`` (its sign in quarter ``Q ^ 1``'s byte) with code words ``c``
+    (quarters 0, 2, 1, 3 by nibble) by plain integer ops: the same bits as ``_decode_ptx``."""
+    b = (s >> (8 * Q)) & 0xFF
+    pb = (s >> (8 * (Q ^ 1))) & 0xFF
+    code = (c.to(tl.int32) >> (4 * (Q >> 1) + 8 * (Q & 1))) & 0xF
+    bits = ((pb & 1) << 15) | ((code + BASE) << 7) | (b >> 1)
+    return _bits_to_operand(bits, INTERPRET)
+
+
+@triton.jit
+def _x_quarter(x_ptrs, kq, m_ok, K, Q: tl.constexpr, EVEN: tl.constexpr):
+    """x^T's rows for quarter ``Q`` of the step's words: ``[W, BM]`` bf16, zero past M and K."""
+    if EVEN:
+        return tl.load(x_ptrs + Q * _Q, mask=m_ok[None, :], other=0.0)
+    return tl.load(x_ptrs + Q * _Q, mask=m_ok[None, :] & (kq + Q * _Q < K)[:, None],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _k_step(
+    acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K, row_words,
+    BASE: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_K`` step: load the words and x's four quarters, decode, four dots."""
+    W: tl.constexpr = BLOCK_K // 4
+    j = tl.arange(0, W)  # [W] word index in the step
+    kq = k0 + (j // _Q) * _GROUP + (j % _Q)  # [W] column of quarter 0 of word j
+    w_off = rows[:, None] * row_words + (k0 // 4 + j)[None, :]  # [BR, W]
+    if EVEN:
+        s = tl.load(sm_ptr + w_off)
+        c = tl.load(cb_ptr + w_off)
+    else:  # a word is in range iff its group starts below k_hi (a multiple of 64)
+        w_mask = r_ok[:, None] & ((k0 + 4 * j) < k_hi)[None, :]
+        s = tl.load(sm_ptr + w_off, mask=w_mask, other=0)
+        c = tl.load(cb_ptr + w_off, mask=w_mask, other=0)
+    x_ptrs = x_ptr + toks[None, :] * stride_xm + kq[:, None]  # [W, BM]: x^T, quarter 0
+    x0 = _x_quarter(x_ptrs, kq, m_ok, K, 0, EVEN)
+    x1 = _x_quarter(x_ptrs, kq, m_ok, K, 1, EVEN)
+    x2 = _x_quarter(x_ptrs, kq, m_ok, K, 2, EVEN)
+    x3 = _x_quarter(x_ptrs, kq, m_ok, K, 3, EVEN)
+    if PTX:
+        base4 = tl.full((BLOCK_R, W), BASE * 0x01010101, tl.int32)
+        w0, w1, w2, w3 = _decode_ptx(s, c, base4)
+        acc = tl.dot(w0, x0, acc)
+        acc = tl.dot(w1, x1, acc)
+        acc = tl.dot(w2, x2, acc)
+        acc = tl.dot(w3, x3, acc)
+    else:
+        acc = tl.dot(_quarter_ops(s, c, BASE, 0, INTERPRET), _x_operand(x0, INTERPRET), acc)
+        acc = tl.dot(_quarter_ops(s, c, BASE, 1, INTERPRET), _x_operand(x1, INTERPRET), acc)
+        acc = tl.dot(_quarter_ops(s, c, BASE, 2, INTERPRET), _x_operand(x2, INTERPRET), acc)
+        acc = tl.dot(_quarter_ops(s, c, BASE, 3, INTERPRET), _x_operand(x3, INTERPRET), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "split"])  # one compile serves every M <= BLOCK_M
+def _mma_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    sm_ptr,  # [N, Kp / 4] int32: v4 sign/mantissa words
+    cb_ptr,  # [N, Kp / 4] int16: v4 code words
+    off_ptr,  # [ceil(N/16) + 1] int32
+    rec_ptr,  # [n_esc] int32
+    val_ptr,  # [n_esc] bf16
+    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    y_ptr,  # [M, N] bf16, row stride stride_ym
+    part_ptr,  # [split, M, N] fp32 (split > 1)
+    count_ptr,  # [tiles] int32, zero between calls (split > 1)
+    M, N, K, stride_xm, stride_ym,
+    row_words,  # Kp / 4
+    k_split,  # padded columns per split, a multiple of BLOCK_K
+    split,
+    BASE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    r_ok = rows < N
+    m_ok = toks < M
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, row_words * 4)
+    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)  # y^T tile
+    NB: tl.constexpr = BLOCK_R // _ESC_ROWS
+    blk0 = pid_n * NB
+    n_blocks = (N + _ESC_ROWS - 1) // _ESC_ROWS
+    bidx = blk0 + tl.arange(0, NB)
+    starts = tl.load(off_ptr + bidx, mask=bidx < n_blocks, other=1 << 30)  # [NB]
+    e_start = tl.load(off_ptr + blk0)
+    e_end = tl.load(off_ptr + tl.minimum(blk0 + NB, n_blocks))
+    if ESCAPES:  # the first chunk of this tile's escapes, issued before the dense loop
+        xg, w_bits, p_bits, n_e, e_ok = tile_escapes(
+            e_start, e_end, blk0, starts, toks, m_ok, K, k_lo, k_hi, BASE, x_ptr, stride_xm,
+            rec_ptr, val_ptr, ESC_STEP,
+        )  # fmt: skip
+    if INTERPRET:  # the interpreter cannot take a runtime range() bound (numpy >= 2)
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _k_step(
+                acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K,
+                row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+            k0 += BLOCK_K
+    else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            acc = _k_step(
+                acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K,
+                row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
+            )  # fmt: skip
+    acc = tl.trans(acc)  # [BM, BR]
+    if ESCAPES:  # add the escaped weights' products, remove the placeholders'
+        acc = apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, e_ok, rows, INTERPRET)
+        e0 = e_start + ESC_STEP
+        while e0 < e_end:  # a tile with more escapes than one chunk (rare)
+            xg, w_bits, p_bits, n_e, e_ok = tile_escapes(
+                e0, e_end, blk0, starts, toks, m_ok, K, k_lo, k_hi, BASE, x_ptr, stride_xm,
+                rec_ptr, val_ptr, ESC_STEP,
+            )  # fmt: skip
+            acc = apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, e_ok, rows, INTERPRET)
+            e0 += ESC_STEP
+    _store_tile(
+        acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, toks, rows, m_ok, r_ok, stride_ym, 0,
+        M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+    )  # fmt: skip
+
+
+def launch_shape(m: int, n: int, k_padded: int, cfg: MmaConfig, device: torch.device):
+    """``(grid, block_m, split, k_split)`` of one launch."""
+    bm = cfg.tokens(m)
+    tiles = triton.cdiv(n, cfg.block_r) * triton.cdiv(m, bm)
+    want = cfg.split_k or max(1, (2 * _num_sms(device)) // tiles)
+    split, k_split = k_splits(k_padded, cfg.block_k, want)
+    return (triton.cdiv(n, cfg.block_r), triton.cdiv(m, bm), split), bm, split, k_split
+
+
+def w12_mma(
+    x: Tensor,  # [M, K] bf16
+    w: W12Tensor,  # [N, K], layout v4
+    counters: Tensor,  # from gemm_common.counter_buffer(N)
+    bias: Tensor | None = None,  # [N] bf16
+    cfg: MmaConfig | None = None,
+    ptx: bool = True,
+    escapes: bool = True,
+) -> Tensor:  # [M, N] bf16
+    """``x @ decode(w)^T (+ bias)`` with the weights decoded into the tensor cores' operand
+    registers (``ptx``: inline PTX on the GPU; ``False`` or the interpreter: plain integer ops).
+    A program loads as many escape records before its dense loop as the tensor's fullest tile
+    holds (``W12Tensor.tile_escapes``), at most ``2 * block_r`` (more kept registers live across
+    the loop: 256 per 64 rows ran 3-9% slower than 128 on the H200), the rest after the loop.
+    ``escapes=False`` leaves the escape correction out: a wrong result, only for timing what the
+    dense loop costs (the GPU script's diagnostic)."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = cfg or MmaConfig()
+    if w.layout != "v4":
+        raise ValueError(f"w12_mma reads W12 layout v4, got {w.layout!r}")
+    if k != w.k:
+        raise ValueError(f"x has K = {k}, the weight has K = {w.k}")
+    if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+        raise ValueError("x must be bf16 with unit stride along K")
+    if m > MAX_ROWS or triton.cdiv(m, cfg.tokens(m)) > MAX_COUNTER_TILES_M:
+        raise ValueError(f"w12_mma takes at most {MAX_ROWS} rows, got {m}")
+    kp = w.padded_k
+    grid, bm, split, k_split = launch_shape(m, n, kp, cfg, x.device)
+    y, part = outputs(m, n, grid, counters, x.device)  # [M, N], [split, M, N]
+    recs, vals = (w.esc_records, w.esc_values) if w.num_escapes else (w.esc_offsets, x)
+    most = w.tile_escapes[min(2, cfg.block_r // 128)] if w.tile_escapes else 2 * cfg.block_r
+    esc_step = min(2 * cfg.block_r, max(16, triton.next_power_of_2(max(most, 1))))
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    even = n % cfg.block_r == 0 and kp == k and kp % cfg.block_k == 0  # every step whole
+    _mma_kernel[grid](
+        x, w.sm.view(torch.int32), w.codes.view(torch.int16), w.esc_offsets, recs, vals,
+        bias if bias is not None else x, y, part, counters,
+        m, n, k, x.stride(0), y.stride(0), kp // 4, k_split, split,
+        BASE=w.base, HAS_BIAS=bias is not None, EVEN=even, PTX=ptx and not interpret,
+        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_M=bm, ESC_STEP=esc_step,
+        ESCAPES=escapes, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return y
+
+
+__all__ = ["MAX_ROWS", "MmaConfig", "launch_shape", "w12_mma"]

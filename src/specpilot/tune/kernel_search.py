@@ -1,0 +1,368 @@
+"""The kernel search inside ``specpilot tune``: per GPU, weight shape and width, the tiling of the
+tensor-core W12 kernel (``kernels/w12_mma.py``) that runs fastest, measured on this GPU.
+
+For each decoder weight shape of the target (``[N, K]``) and each width the engine will run
+(1, k + 1, the tree and batched widths, as M buckets) the search:
+
+1. checks every candidate tiling against the reference before timing it: a one-hot probe (x rows
+   are unit vectors, so ``y`` must equal the checkpoint's weights bit for bit, escapes included)
+   and random x within the fp32-reordering bound against the fp64 product;
+2. times candidates in CUDA graphs over the target's own layers of that shape (rotated past the
+   L2), next to cuBLAS (``F.linear`` on the bf16 weights) and the cold-start default
+   (``kernels/w12_tilings.DEFAULT``): the best two tilings of a sweep, then their K splits, then
+   the winner, the default and cuBLAS in interleaved rounds (medians);
+3. counts compile time against the budget: a candidate is started only if its estimated compile
+   (the mean of this search's compiles so far, a prior before the first) plus its timing fits in
+   what is left; Triton keeps compiled kernels on disk, so a later process compiles nothing;
+4. stores each winner in the memory under the GPU's fingerprint (``memory.fingerprint.
+   gpu_fingerprint``: name, SMs, memory clock and bus, driver, torch, triton), shape and width. A
+   later tune on the same GPU reads them back and only re-times each winner against cuBLAS once
+   (a few percent of the first search's kernel seconds).
+
+The table it returns (``MmaTilings``) goes into the tuned engine config (``EngineConfig.kernels``),
+so ``generate``, ``bench``, ``compare`` and ``serve`` run the measured tilings. The hand-measured
+``DEFAULT`` stays only as the cold start and the fallback for shapes not searched.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaConfig, MmaTilings, bucket
+
+KERNEL = "w12_mma"
+CANDIDATES = (
+    MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=3),
+    MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=4),
+    MmaConfig(block_r=64, block_k=512, num_warps=4, num_stages=2),
+    MmaConfig(block_r=64, block_k=128, num_warps=4, num_stages=4),
+    MmaConfig(block_r=128, block_k=256, num_warps=8, num_stages=3),
+    MmaConfig(block_r=128, block_k=128, num_warps=8, num_stages=4),
+)
+SPLITS = (1, 2, 3, 4, 6, 8)
+COMPILE_PRIOR_S = 6.0
+"""Seconds one new compile is assumed to take before this search has timed one."""
+RUN_S = 0.4
+"""Seconds one candidate's check and timing take once compiled (a few graphs of ~1 ms)."""
+
+
+@dataclass(slots=True)
+class SearchRow:
+    """One (shape, width): what was chosen and what it measured (microseconds)."""
+
+    shape: tuple[int, int]
+    width: int
+    config: MmaConfig
+    us: float
+    default_us: float
+    cublas_us: float
+    tried: int = 0
+    skipped: int = 0
+    device_s: float = 0.0
+    reused: bool = False
+
+    def line(self) -> str:
+        c = self.config
+        how = "reused from memory" if self.reused else f"{self.tried} tried, {self.skipped} skipped"
+        return (
+            f"  {self.shape[0]}x{self.shape[1]} M<={self.width}: r{c.block_r} k{c.block_k} "
+            f"w{c.num_warps} s{c.num_stages} split{c.split_k}  {self.us:.1f} us, "
+            f"x{self.default_us / self.us:.2f} the default, x{self.cublas_us / self.us:.2f} "
+            f"cuBLAS ({how}; {self.device_s:.1f} device-s)"
+        )
+
+
+@dataclass(slots=True)
+class KernelSearch:
+    """The search's table and its price."""
+
+    tilings: MmaTilings
+    rows: list[SearchRow] = field(default_factory=list)
+    device_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    gpu: dict[str, str] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        head = (
+            f"kernel search ({KERNEL}) on {self.gpu.get('name', '?')} [{self.gpu.get('key', '?')}]: "
+            f"{len(self.rows)} shape x width cells, {self.device_s:.1f} device-s"
+        )
+        return [head, *(r.line() for r in self.rows), *(f"  {n}" for n in self.notes)]
+
+
+class CompileBudget:
+    """Seconds left for the search and the running estimate of one new compile."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.deadline = clock() + seconds
+        self.compiles: list[float] = []
+        self.compiled: set[tuple[Any, ...]] = set()
+
+    def left(self) -> float:
+        return self.deadline - self.clock()
+
+    def estimate(self, key: tuple[Any, ...]) -> float:
+        """Seconds a candidate with compile key ``key`` is expected to take."""
+        if key in self.compiled:
+            return RUN_S
+        mean = statistics.mean(self.compiles) if self.compiles else COMPILE_PRIOR_S
+        return mean + RUN_S
+
+    def fits(self, key: tuple[Any, ...]) -> bool:
+        return self.estimate(key) <= self.left()
+
+    def compiled_now(self, key: tuple[Any, ...], seconds: float) -> None:
+        if key not in self.compiled:
+            self.compiled.add(key)
+            self.compiles.append(max(0.0, seconds - RUN_S))
+
+
+def compile_key(cfg: MmaConfig, m: int, base: int) -> tuple[Any, ...]:
+    """What a new Triton compile depends on (the kernel's constexprs; K splits are runtime)."""
+    return (cfg.block_r, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tokens(m), base)
+
+
+def graph_time(calls: Sequence[Callable[[], Any]], device: torch.device, reps: int = 4) -> float:
+    """Seconds per call of ``calls`` run round-robin ``reps`` times inside one CUDA graph."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            for c in calls:
+                c()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / (3 * reps * len(calls))
+
+
+def check(cfg: MmaConfig, w: Tensor, t: Any, counters: Tensor, m: int) -> str | None:
+    """None if ``cfg`` computes the reference on ``w`` (bf16 ``[N, K]``, W12 ``t``); else why not."""
+    from specpilot.kernels.w12_mma import w12_mma
+
+    k = w.shape[1]
+    cols = torch.arange(min(16, k), device=w.device)
+    eye = torch.zeros(len(cols), k, dtype=torch.bfloat16, device=w.device)
+    eye[torch.arange(len(cols), device=w.device), cols] = 1.0
+    y = w12_mma(eye, t, counters, cfg=cfg)
+    finite = bool(w[:, cols].float().isfinite().all())
+    if finite and not torch.equal(y.view(torch.int16), w[:, cols].T.contiguous().view(torch.int16)):
+        return "one-hot probe: the decoded weights differ from the checkpoint's"
+    x = torch.randn(m, k, device=w.device, generator=torch.Generator(w.device).manual_seed(m))
+    x = x.to(torch.bfloat16)
+    y = w12_mma(x, t, counters, cfg=cfg).double()
+    z = x.double() @ w.double().T
+    bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 2.0**-133
+    ok = z.isfinite()
+    if not bool(((y - z).abs()[ok] <= bound[ok]).all()):
+        return "outside the fp32-reordering bound against the fp64 product"
+    return None
+
+
+def split_variants(
+    cfg: MmaConfig, m: int, n: int, kp: int, device: torch.device
+) -> list[MmaConfig]:
+    """``cfg`` with each explicit K split of ``SPLITS`` that K allows (at most 16 programs per SM),
+    its automatic split left out (already timed)."""
+    from specpilot.kernels.w12_mma import launch_shape
+
+    grid, _, auto, _ = launch_shape(m, n, kp, cfg, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    fit = [
+        s
+        for s in SPLITS
+        if s != auto and s <= kp // cfg.block_k and grid[0] * grid[1] * s <= 16 * sms
+    ]
+    return [replace(cfg, split_k=s) for s in fit]
+
+
+def _search_cell(
+    weights: list[Tensor], w12s: list[Any], counters: list[Tensor], m: int,
+    budget: CompileBudget, device: torch.device, rounds: int,
+) -> SearchRow:  # fmt: skip
+    """One (shape, width): the sweep, the splits of the best two, then interleaved rounds."""
+    from specpilot.kernels.w12_mma import w12_mma
+
+    n, k = weights[0].shape
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    default = DEFAULT_TILINGS.config(m, n, k)
+
+    def calls(cfg: MmaConfig) -> list[Callable[[], Any]]:
+        return [partial(w12_mma, x, t, c, cfg=cfg) for t, c in zip(w12s, counters, strict=True)]
+
+    timed: dict[MmaConfig, float] = {}
+    tried = skipped = 0
+
+    def attempt(cfg: MmaConfig) -> None:
+        nonlocal tried, skipped
+        key = compile_key(cfg, m, w12s[0].base)
+        if cfg in timed or not budget.fits(key):
+            skipped += cfg not in timed
+            return
+        t0 = time.perf_counter()
+        why = check(cfg, weights[0], w12s[0], counters[0], m)
+        tried += 1
+        if why is None:
+            timed[cfg] = graph_time(calls(cfg), device)
+        budget.compiled_now(key, time.perf_counter() - t0)
+
+    attempt(default)
+    for cfg in CANDIDATES:
+        attempt(cfg)
+    for cfg in sorted(timed, key=timed.__getitem__)[:2]:
+        for c in split_variants(cfg, m, n, w12s[0].padded_k, device):
+            attempt(c)
+    if default not in timed:
+        raise RuntimeError(f"the default tiling failed its check on {n}x{k} at M={m}")
+    best = min(timed, key=timed.__getitem__)
+    arms = {"best": calls(best), "default": calls(default)}
+    arms["cublas"] = [partial(F.linear, x, w) for w in weights]
+    got: dict[str, list[float]] = {a: [] for a in arms}
+    for _ in range(rounds):
+        for a, cs in arms.items():
+            got[a].append(1e6 * graph_time(cs, device))
+    med = {a: statistics.median(v) for a, v in got.items()}
+    if med["default"] <= med["best"]:
+        best, med["best"] = default, med["default"]
+    return SearchRow((n, k), bucket(m), best, med["best"], med["default"], med["cublas"], tried, skipped)  # fmt: skip
+
+
+def search_w12_mma(
+    matrices: dict[tuple[int, int], list[Tensor]],
+    widths: Sequence[int],
+    device: torch.device,
+    budget_s: float,
+    store: Any | None = None,
+    log: Callable[[str], None] = print,
+    rounds: int = 3,
+) -> KernelSearch:
+    """Search the tilings of every ``[N, K]`` in ``matrices`` (a few of the target's own bf16
+    weights of that shape each, the first checked, all rotated through the timings) at every
+    width bucket of ``widths``, within ``budget_s`` seconds; reuse what ``store`` holds for this
+    GPU (module docstring)."""
+    from specpilot.kernels.gemm_common import counter_buffer
+    from specpilot.mechanisms.w12_format import encode
+    from specpilot.memory.fingerprint import gpu_fingerprint
+
+    t_start = time.perf_counter()
+    gpu = gpu_fingerprint(device)
+    budget = CompileBudget(budget_s)
+    buckets = sorted({bucket(min(max(1, w), 64)) for w in widths})
+    known = store.tilings(gpu["key"], KERNEL) if store is not None else {}
+    result = KernelSearch(tilings=DEFAULT_TILINGS, gpu=gpu)
+    by_shape: dict[tuple[int, int, int], MmaConfig] = {}
+    for (n, k), ws in matrices.items():
+        w12s = [encode(w, "v4") for w in ws]
+        counters = [counter_buffer(n, device) for _ in ws]
+        for m in buckets:
+            t0 = time.perf_counter()
+            hit = known.get((n, k, m))
+            if hit is not None:  # re-time the stored winner against cuBLAS once
+                cfg = MmaConfig(**hit["config"])
+                x = torch.randn(m, k, device=device).to(torch.bfloat16)
+                why = check(cfg, ws[0], w12s[0], counters[0], m)
+                if why is None:
+                    from specpilot.kernels.w12_mma import w12_mma
+
+                    us = 1e6 * graph_time([partial(w12_mma, x, t, c, cfg=cfg) for t, c in zip(w12s, counters, strict=True)], device)  # fmt: skip
+                    cub = 1e6 * graph_time([partial(F.linear, x, w) for w in ws], device)
+                    row = SearchRow((n, k), m, cfg, us, hit["metrics"].get("default_us", us), cub,
+                                    reused=True, device_s=time.perf_counter() - t0)  # fmt: skip
+                    result.rows.append(row)
+                    by_shape[(n, k, m)] = cfg
+                    continue
+                result.notes.append(f"{n}x{k} M<={m}: the stored tiling failed its check ({why}); searching again")  # fmt: skip
+            if budget.left() < budget.estimate(compile_key(DEFAULT_TILINGS.config(m, n, k), m, w12s[0].base)):  # fmt: skip
+                result.notes.append(f"{n}x{k} M<={m}: not searched, {budget.left():.0f}s of the kernel budget left (the default stays)")  # fmt: skip
+                continue
+            row = _search_cell(ws, w12s, counters, m, budget, device, rounds)
+            row.device_s = time.perf_counter() - t0
+            result.rows.append(row)
+            by_shape[(n, k, m)] = row.config
+            if store is not None:
+                store.put_tiling(gpu, KERNEL, (n, k), m, asdict(row.config),
+                                 {"us": row.us, "default_us": row.default_us,
+                                  "cublas_us": row.cublas_us, "device_s": row.device_s,
+                                  "tried": row.tried, "skipped": row.skipped})  # fmt: skip
+            log(row.line())
+    result.tilings = MmaTilings(by_shape=by_shape, source=f"search {gpu['key']}")
+    result.device_s = time.perf_counter() - t_start
+    return result
+
+
+def search_for_tune(
+    kernel_budget: float | None,
+    base: Any,
+    executor: Any,
+    device: torch.device,
+    search_budget: float,
+    store: Any,
+    notes: list[str],
+) -> tuple[dict[str, Any] | None, float]:
+    """``specpilot tune``'s kernel search, when W12 is searchable here (CUDA, the local
+    executor): the tilings for ``EngineConfig.kernels`` and the seconds it took (the caller takes
+    them off the search budget); its lines go to the console and to the report's ``notes``.
+    ``kernel_budget`` None: a quarter of ``search_budget``, at most 120 s; 0 skips it."""
+    from specpilot.tune.executors import LocalExecutor
+    from specpilot.tune.space import directions_for
+
+    budget = min(120.0, 0.25 * search_budget) if kernel_budget is None else kernel_budget
+    names = {d.name for d in directions_for(base, device.type, executor.arch, executor.num_layers)}
+    if budget <= 0 or device.type != "cuda" or "mechanism:w12" not in names:
+        return None, 0.0
+    if not isinstance(executor, LocalExecutor):
+        notes.append("kernel search: runs with the local executor only (the defaults stay)")
+        return None, 0.0
+    t0 = time.perf_counter()
+    print(f"kernel search: W12 tensor-core tilings, {budget:.0f}s ...", flush=True)
+    model = executor.evaluator.stock.model
+    result = search_w12_mma(
+        target_matrices(model), (1, base.k + 1), device, budget, store,
+        log=lambda m: print(m, flush=True),
+    )  # fmt: skip
+    for line in result.lines():
+        print(line)
+    notes.extend(result.lines())
+    return {"w12_mma": result.tilings.to_json()}, time.perf_counter() - t0
+
+
+def target_matrices(model: Any, copies: int = 4) -> dict[tuple[int, int], list[Tensor]]:
+    """The decoder's weight matrices by shape: the first ``copies`` layers' of each (the search
+    checks the first and rotates through all)."""
+    out: dict[tuple[int, int], list[Tensor]] = {}
+    for layer in model.layers[:copies]:
+        for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+            w = getattr(layer, name, None)
+            if isinstance(w, Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2:
+                out.setdefault((int(w.shape[0]), int(w.shape[1])), []).append(w.detach())
+    return out
+
+
+__all__ = [
+    "CANDIDATES",
+    "KERNEL",
+    "CompileBudget",
+    "KernelSearch",
+    "SearchRow",
+    "check",
+    "search_for_tune",
+    "search_w12_mma",
+    "split_variants",
+    "target_matrices",
+]

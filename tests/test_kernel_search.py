@@ -1,0 +1,101 @@
+"""The kernel search's pieces (``tune/kernel_search.py``): tilings tables and their JSON, the
+engine config that carries them, the memory's kernels table keyed by GPU fingerprint, the
+compile-time budget, the per-kind build estimates of the tune loop; the search itself on a GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specpilot.engine.config import EngineConfig
+from specpilot.engine.deployment import DeploymentSpec
+from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaConfig, MmaTilings, bucket
+from specpilot.memory import MemoryStore
+from specpilot.memory.fingerprint import gpu_fingerprint
+from specpilot.tune.build_estimate import BuildEstimates, kind
+from specpilot.tune.kernel_search import CompileBudget, compile_key
+
+
+def test_tilings_lookup_and_json() -> None:
+    assert [bucket(m) for m in (1, 2, 3, 9, 16, 17, 64)] == [1, 2, 4, 16, 16, 32, 64]
+    with pytest.raises(ValueError, match="at most 64"):
+        bucket(65)
+    special = MmaConfig(block_r=128, block_k=128, num_warps=8, split_k=3)
+    t = MmaTilings(by_shape={(6144, 4096, 16): special}, source="search abc")
+    assert t.config(9, 6144, 4096) == special
+    assert t.config(1, 6144, 4096) == DEFAULT_TILINGS.config(1, 6144, 4096)
+    assert t.config(16, 4096, 4096) == DEFAULT_TILINGS.config(16, 4096, 4096)
+    back = MmaTilings.from_json(json.loads(json.dumps(t.to_json())))
+    assert back.by_shape == t.by_shape and back.source == "search abc"
+    with pytest.raises(ValueError, match="block_r"):
+        MmaConfig(block_r=32)
+    with pytest.raises(ValueError, match="num_warps"):
+        MmaConfig(block_r=64, num_warps=8)
+    assert MmaConfig().tokens(1) == 16 and MmaConfig().tokens(17) == 32
+
+
+def test_engine_config_carries_the_tilings() -> None:
+    dep = DeploymentSpec(target="smollm2-135m", drafter="none", device="cpu", dtype="fp32")
+    plain = EngineConfig(deployment=dep, k=0)
+    assert "kernels" not in json.loads(plain.to_json())  # old configs (and hashes) unchanged
+    assert plain.mma_tilings() is None
+    t = MmaTilings(by_shape={(64, 128, 1): MmaConfig(split_k=2)}, source="search x")
+    cfg = EngineConfig(deployment=dep, k=0, kernels={"w12_mma": t.to_json()})
+    again = EngineConfig.from_dict(json.loads(cfg.to_json()))
+    got = again.mma_tilings()
+    assert got is not None and got.by_shape == t.by_shape
+
+
+def test_memory_keeps_kernel_winners_by_gpu(tmp_path: Path) -> None:
+    gpu = gpu_fingerprint(torch.device("cpu"))
+    assert len(gpu["key"]) == 16 and gpu["torch"] == torch.__version__
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        store.put_tiling(gpu, "w12_mma", (6144, 4096), 16, {"block_r": 64}, {"us": 12.0})
+        store.put_tiling(gpu, "w12_mma", (6144, 4096), 16, {"block_r": 128}, {"us": 11.0})
+        store.put_tiling({**gpu, "key": "other"}, "w12_mma", (1, 2), 1, {}, {})
+        got = store.tilings(gpu["key"], "w12_mma")
+    assert got == {(6144, 4096, 16): {"config": {"block_r": 128}, "metrics": {"us": 11.0}}}
+
+
+def test_compile_budget_refuses_what_would_overrun() -> None:
+    now = [0.0]
+    b = CompileBudget(30.0, clock=lambda: now[0])
+    key = compile_key(MmaConfig(), 16, 110)
+    assert b.fits(key)  # the prior (6 s) fits in 30 s
+    b.compiled_now(key, 20.4)  # one compile took 20 s
+    now[0] = 15.0  # 15 s left: a known kernel runs, a new compile (~20 s) does not start
+    assert b.fits(key)
+    other = compile_key(MmaConfig(num_stages=2), 16, 110)
+    assert not b.fits(other) and b.estimate(other) == pytest.approx(20.4)
+
+
+def test_build_estimates_stop_a_candidate_that_would_overrun() -> None:
+    dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16")
+    fused = EngineConfig(deployment=dep, k=15, mechanisms={"fused-gemv": {"block_n": 16}})
+    stock = EngineConfig(deployment=dep, k=15)
+    mma = EngineConfig(deployment=dep, k=15, mechanisms={"w12": {"kernel": "mma"}})
+    est = BuildEstimates([(json.loads(fused.to_json()), 83.0)])  # an earlier run's trial
+    ok, why = est.fits([fused], 40.0)
+    assert not ok and "83s" in why and "40s" in why
+    assert est.fits([stock, mma], 40.0) == (True, "")  # kinds never seen: the generic check
+    assert kind(mma) != kind(EngineConfig(deployment=dep, k=15, mechanisms={"w12": {}}))
+    est.record(mma, 10.0)
+    assert est.estimate(mma) == 10.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the search times kernels on a GPU")
+def test_search_on_gpu_then_reuse(tmp_path: Path) -> None:
+    from specpilot.tune.kernel_search import search_w12_mma
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    mats = {(512, 1024): [(0.02 * torch.randn(512, 1024, generator=g, device=dev)).to(torch.bfloat16) for _ in range(2)]}  # fmt: skip
+    with MemoryStore(tmp_path / "m.sqlite") as store:
+        first = search_w12_mma(mats, (1, 16), dev, 120.0, store, log=lambda m: None, rounds=1)
+        second = search_w12_mma(mats, (1, 16), dev, 120.0, store, log=lambda m: None, rounds=1)
+    assert len(first.rows) == 2 and all(not r.reused for r in first.rows)
+    assert all(r.reused for r in second.rows)
+    assert second.tilings.by_shape == first.tilings.by_shape
