@@ -114,16 +114,23 @@ def escape_dots(
                 x_ptr + offs_m[:, None] * stride_xm + k_e[None, :], mask=x_mask, other=0.0
             )  # [BM, E]
             p_bits = sm_bits | (base << 7)  # the placeholder the dense loop used
+            # The placeholders' products leave the accumulator before the escaped ones enter:
+            # an escape far below its placeholder (|w| < 2^-24 |p|) would otherwise be absorbed
+            # by x·p still in acc (weight 9.98e-31 read back as 0.0 through a one-hot row).
             if USE_DOT:
-                fix = _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET)
-                acc = tl.dot(_x_operand(xg, INTERPRET), fix, acc)  # [BM, BN]
                 neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
                 acc = tl.dot(_x_operand(xg, INTERPRET), _bits_to_operand(neg_p, INTERPRET), acc)
-            else:  # BLOCK_M == 1
+                fix = _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET)
+                acc = tl.dot(_x_operand(xg, INTERPRET), fix, acc)  # [BM, BN]
+            else:  # BLOCK_M == 1; each bf16 x bf16 product is exact in fp32
                 xe = tl.reshape(_bf16_to_f32(xg), (ESC_STEP,))  # [E]
-                prod = xe * (_bits_to_f32(w_bits) - _bits_to_f32(p_bits))  # exact in fp32
+                neg = -(xe * _bits_to_f32(p_bits))  # [E]
                 acc += tl.reshape(
-                    tl.sum(tl.where(hit, prod[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
+                    tl.sum(tl.where(hit, neg[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
+                )
+                add = xe * _bits_to_f32(w_bits)  # [E]
+                acc += tl.reshape(
+                    tl.sum(tl.where(hit, add[:, None], 0.0), axis=0), (BLOCK_M, BLOCK_N)
                 )
     return acc
 
@@ -149,9 +156,10 @@ def tile_escapes(
 @triton.jit
 def apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, ok, offs_n, INTERPRET: tl.constexpr):
     """``acc [BM, BN] += xg @ W_e - xg @ P_e`` with ``W_e``, ``P_e`` ``[E, BN]`` zero except at
-    ``(e, n_e)``: each product exact, entering the fp32 accumulator once."""
+    ``(e, n_e)``: each product exact, entering the fp32 accumulator once; the placeholders'
+    leave first (see ``escape_dots``)."""
     hit = (n_e[:, None] == offs_n[None, :]) & ok[:, None]  # [E, BN]
     xo = _x_operand(xg, INTERPRET)
-    acc = tl.dot(xo, _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET), acc)
     neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
-    return tl.dot(xo, _bits_to_operand(neg_p, INTERPRET), acc)
+    acc = tl.dot(xo, _bits_to_operand(neg_p, INTERPRET), acc)
+    return tl.dot(xo, _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET), acc)

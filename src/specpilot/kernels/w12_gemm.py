@@ -22,9 +22,9 @@ Per program: a ``[BLOCK_M, BLOCK_N]`` output tile over one K range of ``k_split`
   CSR range of its records is read 32 at a time; each record gives (n, k, exponent), the
   sign/mantissa byte is re-read from ``sm``, and the escaped weights and the negated placeholders
   are put in ``[32, BLOCK_N]`` bf16 tiles (zero except at ``(e, n_e)``) that two more ``tl.dot``
-  multiply by the gathered activation columns ``x[:, k_e]``. So the escaped terms
-  ``x[m, k_e] * w[n_e, k_e]`` enter the same fp32 accumulator and the placeholders' products
-  leave it. Nothing serializes: no prefix sums, no per-weight branch, ~1-3 chunks per program.
+  multiply by the gathered activation columns ``x[:, k_e]``. So the placeholders' products leave
+  the fp32 accumulator, then the escaped terms ``x[m, k_e] * w[n_e, k_e]`` enter it (in that
+  order: an escape below 2^-24 of its placeholder would be absorbed by x·p otherwise). Nothing serializes: no prefix sums, no per-weight branch, ~1-3 chunks per program.
 * **Split-K** (when there are too few output tiles to fill the GPU): each split writes its fp32
   partial; an atomic per-tile counter (``acq_rel``) elects the last split, which sums the partials
   in split order (deterministic), adds the bias, rounds to bf16 once and resets the counter, so
@@ -302,7 +302,7 @@ def _linear_kernel(
     elif W12 and W_AS_A:
         acc = tl.trans(acc)  # [BM, BN]
 
-    if W12:  # add the escaped weights' products and remove the placeholders'
+    if W12:  # remove the placeholders' products, then add the escaped weights'
         acc = escape_dots(
             acc, pid_n, offs_m, offs_n, m_ok, N, K, k_lo, k_hi, base, x_ptr, stride_xm,
             off_ptr, rec_ptr, val_ptr, sm_ptr, stride_sm, V3, USE_DOT, BLOCK_M, BLOCK_N,

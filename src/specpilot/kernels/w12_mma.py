@@ -20,8 +20,8 @@ weights, four output registers of bf16 pairs):
 
 17 integer instructions per 8 weights (~2.1), against 1.6 in the GEMV but with no FMA per row:
 the tensor core does the products for every token at once. An escape (code 0) decodes to the
-placeholder (exponent ``base``); after the loop the products of the escaped weights are added
-and the placeholders' removed by two small dots (``w12_escapes.escape_dots``), as in
+placeholder (exponent ``base``); after the loop the placeholders' products are removed and
+then the escaped weights' added by two small dots (``w12_escapes.escape_dots``), as in
 ``w12_gemm``. ``base`` is a compile-time constant (a runtime scalar would route the tile through
 shared memory), so each distinct ``base`` is one compile.
 
@@ -213,7 +213,7 @@ def _mma_kernel(
                 row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
             )  # fmt: skip
     acc = tl.trans(acc)  # [BM, BR]
-    if ESCAPES:  # add the escaped weights' products, remove the placeholders'
+    if ESCAPES:  # remove the placeholders' products, then add the escaped weights'
         acc = apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, e_ok, rows, INTERPRET)
         e0 = e_start + ESC_STEP
         while e0 < e_end:  # a tile with more escapes than one chunk (rare)
