@@ -127,7 +127,9 @@ def test_gemv_sweep_grid_keys_round_trip() -> None:
 
     code = (
         "import gemv_sweep_gpu as m; g = m.grid(tiny=False); "
-        "assert len(g) == len({m.key(c) for c in g}) == 270; "
+        # 3*3*3 tile shapes x 2 stages x 5 splits = 270, less the 4 shapes that spill (x10)
+        "assert len(g) == len({m.key(c) for c in g}) == 230; "
+        "assert (64, 1024, 4) not in {(c.block_n, c.block_k, c.num_warps) for c in g}; "
         "assert all(m.from_key(m.key(c)) == c for c in g); print('grid ok')"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
