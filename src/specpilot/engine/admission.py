@@ -96,7 +96,9 @@ def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int
     x = engine.fwd.dense(tokens, view, start, attn_len, layers, hidden, host_start)  # [b*T, H]
     done = [starts[i] + seg_lens[i] == len(prompts[i]) for i in run]
     last = torch.tensor([j * width + seg_lens[i] - 1 for j, i in enumerate(run)], device=dev)
-    first = engine.fwd.argmax(x.index_select(0, last))  # [b]
+    x_last = x.index_select(0, last)  # [b, H]
+    engine.final_hidden[r0 : r0 + b, 0].copy_(x_last)  # the first token's logprobs read it
+    first = engine.fwd.argmax(x_last)  # [b]
     firsts = first.tolist()
     out: list[int | None] = []
     for j, i in enumerate(run):

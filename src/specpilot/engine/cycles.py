@@ -5,6 +5,7 @@ device committed and extend the host mirror of each row; both follow the abstain
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,17 +18,35 @@ if TYPE_CHECKING:
     from specpilot.engine.view import EngineView
 
 
-def ar_window(engine: EngineView, limit: int | None = None) -> list[RowCommit]:
+def ar_window(
+    engine: EngineView, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+) -> list[RowCommit]:
     """``sync_every`` AR steps (at most ``limit``, and no more than the rows' room) queued,
-    then read back once; after an abstain, the rest of the window halted and one stock step."""
+    then read back once; after an abstain, the rest of the window halted and one stock step.
+
+    ``interrupt``: asked before each step after the first; True ends the window there (a request
+    waits for a row, so the scheduler admits it at the next step, not at the end of the window).
+    On CUDA at most two steps are then in flight when it is asked (each step leaves a fence; the
+    host waits on the one before the last), so the device stays busy and the answer is fresh."""
     h = engine.host
     rows = [b for b, a in enumerate(h.active) if a]
     steps = min(engine.sync_every, limit or engine.sync_every)
     steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
     base = max(h.lens)
+    fences: list[Callable[[], None]] = []
+    ran = 0
     for s in range(steps):
+        if s > 0 and interrupt is not None:
+            if s >= 2:
+                fences[s - 2]()
+            if interrupt():
+                break
         engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s)
         engine.run_accept(0)
+        ran += 1
+        if interrupt is not None:
+            fences.append(engine.runner.fence())
+    steps = ran
     new = read_ar_steps(engine, rows, steps)
     if any(len(new[b]) < steps for b in rows):  # the head abstained at some step
         redo_with_stock_head(

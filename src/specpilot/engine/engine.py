@@ -97,6 +97,11 @@ class Engine:
         self.cache: KVCache | None = None
         self._state: RowState | None = None
         self._hidden: Tensor | None = None  # [n_sel, B, k_max+1, hidden]
+        self._final: Tensor | None = None  # [B, k_max+1, hidden]
+        self.draft_caps: list[int | None] = []
+        """Per row: the most drafts it may verify per cycle (None: the plan's; 0: no drafting,
+        AR steps when every decoding row has 0). Speed only: every committed token is the
+        target's argmax either way. The caller sets it when a row takes a request."""
         self._draft_host: Tensor | None = None  # [B, k+1] pinned: host drafts + their lengths
         self.host = HostRows.idle(0)
         self.clock = PhaseClock(self.device)
@@ -161,6 +166,15 @@ class Engine:
         return None if self._hidden is None else self._hidden[:, :, : self.k + 1]
 
     @property
+    def final_hidden(self) -> Tensor:
+        """``[B, k_max+1, hidden]``: the last layer's output (before the final norm) at each
+        position of the latest verify block (after a prefill: at its last prompt token, column
+        0), so committed token j of a cycle is the argmax of the LM head over column j."""
+        if self._final is None:
+            raise RuntimeError("No rows are open; call open() first.")
+        return self._final
+
+    @property
     def contexts(self) -> list[list[int]]:
         return self.host.contexts
 
@@ -209,6 +223,7 @@ class Engine:
             self._allocate(batch, self.slots)
         self.state.reset(cut=self.k_max)
         self.host = HostRows.idle(batch)
+        self.draft_caps = [None] * batch
         self.unsynced = {}
         if self.gate is not None:
             self.gate.reset(batch)
@@ -222,6 +237,9 @@ class Engine:
         self._state = RowState.allocate(batch, capacity, self.k_max, self.device)
         layers = () if self.drafter is None else self.drafter.hidden_layers
         cfg, dt = self.target.cfg, self.target.dtype
+        self._final = torch.zeros(
+            batch, self.k_max + 1, cfg.hidden_size, dtype=dt, device=self.device
+        )
         self._hidden = (
             torch.zeros(
                 len(layers), batch, self.k_max + 1, cfg.hidden_size, dtype=dt, device=self.device
@@ -267,14 +285,18 @@ class Engine:
         if row in h.filled:
             h.filled.remove(row)
         self.unsynced.pop(row, None)
+        self.draft_caps[row] = None
         if self.gate is not None:
             self.gate.reset_row(row)
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def step(self) -> list[RowCommit]:
-        """One cycle over every decoding row (``sync_every`` AR steps without a drafter, or
-        while the gate has turned drafting off for every decoding row)."""
+    def step(
+        self, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+    ) -> list[RowCommit]:
+        """One cycle over every decoding row (up to ``sync_every`` AR steps without a drafter,
+        or while the gate or the rows' draft caps have turned drafting off for every decoding
+        row; ``limit`` and ``interrupt`` bound such a window, :func:`ar_window`)."""
         if not any(self.host.active):
             return []
         t0, excluded0 = time.perf_counter(), self.times.excluded
@@ -283,9 +305,14 @@ class Engine:
         self.host.filled = []
         gate = self.gate
         if self.drafter is None:
-            out = self.ar_window()
+            out = self.ar_window(limit, interrupt)
+        elif self._capped_off():
+            for b, a in enumerate(self.host.active):  # the drafter catches up when it drafts
+                if a:
+                    self.unsynced.setdefault(b, self.host.lens[b])
+            out = self.ar_window(limit, interrupt)
         elif gate is not None and (gate.all_off(self.host.active) or gate.wants_ar_time()):
-            out = gated_ar_window(self, gate)
+            out = gated_ar_window(self, gate, limit, interrupt)
         else:
             resync_drafter(self)
             out = spec_cycle(self)
@@ -295,9 +322,16 @@ class Engine:
         self.times.wall += time.perf_counter() - t0 - (self.times.excluded - excluded0)
         return out
 
-    def ar_window(self, limit: int | None = None) -> list[RowCommit]:
-        """Up to ``sync_every`` AR steps (``limit`` at most) read back once (``engine/cycles.py``)."""
-        return ar_window(self, limit)
+    def _capped_off(self) -> bool:
+        """Every decoding row has a draft cap of 0 (a request that asked for no speculation)."""
+        return all(c == 0 for c, a in zip(self.draft_caps, self.host.active, strict=True) if a)
+
+    def ar_window(
+        self, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+    ) -> list[RowCommit]:
+        """Up to ``sync_every`` AR steps (``limit`` at most; ``interrupt`` may end it early)
+        read back once (``engine/cycles.py``)."""
+        return ar_window(self, limit, interrupt)
 
     # ------------------------------------------------------------------ steps (used by plans)
     def verify_and_accept(self, verify: Callable[[], None], accept: Callable[[], None]) -> None:
@@ -372,6 +406,8 @@ class Engine:
             tokens = tokens.index_select(0, lay.gather_index)
         assert self.cache is not None
         x = fwd.run_layers(fwd.embed(tokens), self.cache, lay, layers, hidden_out)
+        if self._final is not None:  # the logprobs of the committed tokens read it
+            lay.to_block(x, self._final)
         live = lay.live_rows(self.state.active)  # [M]: idle rows and padding may not abstain
         lay.to_block(fwd.argmax(x, may_abstain=True, valid=live)[:, None], argmax_out[:, :, None])
 

@@ -31,7 +31,7 @@ AR steps (they commit like any other), so ``t_AR`` is always the engine's own me
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -209,16 +209,22 @@ class SpecGate:
         }
 
 
-def gated_ar_window(engine: EngineView, gate: SpecGate) -> list[RowCommit]:
+def gated_ar_window(
+    engine: EngineView,
+    gate: SpecGate,
+    limit: int | None = None,
+    interrupt: Callable[[], bool] | None = None,
+) -> list[RowCommit]:
     """AR steps instead of a cycle: every decoding row is off, or the gate has not timed an AR
-    step yet (then two real ones, which commit like any other)."""
+    step yet (then two real ones, which commit like any other); ``limit`` and ``interrupt``
+    bound the window as :func:`~specpilot.engine.cycles.ar_window` says."""
     h = engine.host
     rows = [b for b, a in enumerate(h.active) if a]
     for b in rows:
         engine.unsynced.setdefault(b, h.lens[b])
-    limit = 2 if gate.wants_ar_time() else gate.off_window(h.active)
+    want = 2 if gate.wants_ar_time() else gate.off_window(h.active)
     t0 = time.perf_counter()
-    out = engine.ar_window(limit)
+    out = engine.ar_window(want if limit is None else min(want, limit), interrupt)
     gate.observe_ar((time.perf_counter() - t0) / max(out[0].cycles, 1), out[0].cycles, rows)
     return out
 

@@ -79,6 +79,8 @@ class _WidthCaps:
     def __init__(self, policy: WidthPolicy | None) -> None:
         self.policy = policy
         self._host: torch.Tensor | None = None
+        self._capped = False
+        """A row's draft cap was applied once: ``cut`` is written on every cycle from then on."""
 
     def bind(self, engine: EngineView) -> None:
         dev = engine.device
@@ -87,13 +89,20 @@ class _WidthCaps:
             self.policy.reset(engine.batch, engine.k, 1)
 
     def widths(self, engine: EngineView) -> list[int]:
+        """Per row: the widest block it verifies (the policy's, within the row's draft cap)."""
         active = engine.host.active
         if self.policy is None:
-            return [engine.k + 1 if a else 0 for a in active]
-        return self.policy.widths(active)
+            widths = [engine.k + 1 if a else 0 for a in active]
+        else:
+            widths = self.policy.widths(active)
+        caps = engine.draft_caps
+        if any(c is not None for c in caps):
+            self._capped = True
+            widths = [w if c is None else min(w, c + 1) for w, c in zip(widths, caps, strict=True)]
+        return widths
 
     def write(self, engine: EngineView, widths: Sequence[int]) -> None:
-        if self.policy is None or self._host is None:
+        if (self.policy is None and not self._capped) or self._host is None:
             return
         self._host.copy_(torch.tensor([max(w - 1, 0) for w in widths], dtype=torch.int64))
         engine.state.cut.copy_(self._host, non_blocking=True)

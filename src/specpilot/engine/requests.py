@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specpilot.engine.logprobs import TokenLogprob
 from specpilot.engine.stats import AcceptanceStats
 from specpilot.errors import PromptTooLongError
 
@@ -29,10 +30,18 @@ class Request:
     max_new_tokens: int
     stop_ids: frozenset[int] = frozenset()
     """Tokens that end the request (committed, then the request leaves): EOS ids."""
+    draft_cap: int | None = None
+    """Most drafts a cycle verifies for this request (0: no speculation; None: the plan's).
+    Speed only: the committed tokens are the same."""
+    logprobs: int | None = None
+    """None: no logprobs; n >= 0: each committed token's logprob and the n most likely tokens
+    at its position (``engine/logprobs.py``)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.id}: max_new_tokens must be at least 1")
+        if self.draft_cap is not None and self.draft_cap < 0:
+            raise ValueError(f"request {self.id}: draft_cap must be at least 0")
 
 
 @dataclass(slots=True)
@@ -43,6 +52,8 @@ class RequestResult:
     prompt_ids: list[int]
     tokens: list[int]  # committed tokens after the prompt, stop token included
     stop_reason: str  # "eos" | "length" | "cancelled"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per committed token when the request asked for them."""
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     admitted_step: int = 0
     """Scheduler step at which the request took a slot."""
@@ -57,6 +68,8 @@ class StepReport:
 
     committed: list[tuple[str, list[int]]]  # (request id, tokens committed this step)
     finished: list[RequestResult]
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    """Per request that asked for them: the logprobs of the tokens it committed this step."""
     rows_decoding: int = 0
     """Rows that verified a draft (or took an AR step) in this step's forward."""
     rows_prefilling: int = 0

@@ -26,6 +26,10 @@ from specpilot.engine.rows import RowState
 StepFn = Callable[[], None]
 
 
+def _no_wait() -> None:
+    return None
+
+
 class Runner:
     """Runs steps eagerly (``use_graphs=False``) or from CUDA graphs."""
 
@@ -81,6 +85,15 @@ class Runner:
             fn()
         self.captures += 1
         return graph
+
+    def fence(self) -> Callable[[], None]:
+        """A mark after the work queued so far; calling it waits until that work is done (a
+        CUDA event; nothing to wait for when eager on the CPU)."""
+        if self.device.type != "cuda":
+            return _no_wait
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event.synchronize
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from specpilot.engine.engine import Engine
+from specpilot.engine.logprobs import committed_logprobs
+from specpilot.engine.plans import TreePlan
 from specpilot.engine.requests import Request, RequestResult, StepReport, check_fits
 from specpilot.engine.types import GenerationResult
 from specpilot.engine.verify import cut_at_stop
@@ -102,6 +104,11 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue a request; it takes a row at the start of a later step."""
         self.check_fits(len(request.prompt_ids), request.max_new_tokens)
+        if request.logprobs is not None and isinstance(self.engine.plan, TreePlan):
+            raise ValueError(
+                "logprobs need a chain or packed verify plan: a tree verify commits tokens "
+                "from positions off the block's order"
+            )
         self._waiting.append(request)
 
     def cancel(self, request_id: str) -> RequestResult | None:
@@ -129,8 +136,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def step(self) -> StepReport:
-        """Admit, feed prompt segments, one cycle over the decoding rows, release finished rows."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> StepReport:
+        """Admit, feed prompt segments, one cycle over the decoding rows, release finished rows.
+
+        A window of AR steps is cut to one step when a row committed its first token in this
+        step (so that token is out after the prefill and one step: time to first token) or a
+        row wants logprobs (``engine/logprobs.py``); ``interrupt`` (asked between AR steps, e.g.
+        "a request waits and a row is free") ends a window early, so a new request is admitted
+        at the next step, not at the end of the window."""
         report = StepReport(committed=[], finished=[])
         for row, held in enumerate(self._rows):
             if held is None and self._waiting:
@@ -138,9 +151,12 @@ class Scheduler:
                 res = RequestResult(req.id, list(req.prompt_ids), [], "length")
                 res.admitted_step = self.steps
                 self._rows[row] = _Row(req, res)
-        self._prefill(report)
-        if any(r is not None and r.decoding for r in self._rows):
-            for c in self.engine.step():
+                self.engine.draft_caps[row] = req.draft_cap
+        started = self._prefill(report)
+        decoding = [r for r in self._rows if r is not None and r.decoding]
+        if decoding:
+            one = started or any(r.request.logprobs is not None for r in decoding)
+            for c in self.engine.step(1 if one else None, interrupt):
                 held = self._rows[c.row]
                 assert held is not None
                 report.rows_decoding += 1
@@ -151,10 +167,11 @@ class Scheduler:
         self.steps += 1
         return report
 
-    def _prefill(self, report: StepReport) -> None:
+    def _prefill(self, report: StepReport) -> bool:
+        """Feed the next prompt segments; True when a row committed its first token."""
         rows = [b for b, r in enumerate(self._rows) if r is not None and not r.decoding]
         if not rows:
-            return
+            return False
         held = [self._rows[b] for b in rows]
         prompts = [r.request.prompt_ids for r in held if r is not None]
         starts = [r.prefilled for r in held if r is not None]
@@ -166,13 +183,16 @@ class Scheduler:
         news = [r.request.max_new_tokens for r in held if r is not None]
         firsts = self.engine.prefill(rows, prompts, starts, lens, news)
         report.rows_prefilling += len(rows)
+        started = False
         for b, r, n, first in zip(rows, held, lens, firsts, strict=True):
             assert r is not None
             r.prefilled += n
             if first is not None:
                 r.decoding = True
                 r.result.first_token_step = self.steps
+                started = True
                 self._commit(b, [first], report, per_token_stats=False)
+        return started
 
     def _commit(
         self, row: int, tokens: list[int], report: StepReport, per_token_stats: bool
@@ -186,6 +206,13 @@ class Scheduler:
             for _ in keep:
                 res.stats.record(0, 0, 1)
         res.tokens.extend(keep)
+        top = held.request.logprobs
+        if top is not None:
+            # the columns of the forward that committed them (one-step windows: ``step``)
+            assert not per_token_stats or len(tokens) <= 1, "logprobs need one-step AR windows"
+            lps = committed_logprobs(self.engine.fwd, self.engine.final_hidden[row], keep, top)
+            res.logprobs.extend(lps)
+            report.logprobs[held.request.id] = lps
         report.committed.append((held.request.id, keep))
         if stopped or held.remaining <= 0:
             report.finished.append(self._leave(row, "eos" if stopped else "length"))
