@@ -123,7 +123,7 @@ def run_stream(tok, ids, chunks, stops, stream=True):
             ended = True
             break
     outcome = s.finish("length")
-    deltas = "".join(str(p) for kind, p in loop.sent if kind == "delta")
+    deltas = "".join(p[0] for kind, p in loop.sent if kind == "delta")
     return outcome, deltas, ended
 
 
@@ -179,7 +179,7 @@ def _stream_through_worker(model: Path, prompts: list[str], max_tokens: int):
                 kind, payload = jobs.loop.run_until_complete(asyncio.wait_for(job.out.get(), 60))
                 if kind != "delta":
                     break
-                parts.append(payload)
+                parts.append(payload[0])
             assert kind == "done", payload
             out.append(("".join(parts), payload, list(seen)))
     finally:

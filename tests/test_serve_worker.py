@@ -77,7 +77,7 @@ def test_a_failed_step_fails_running_requests_and_reuses_the_engine(model_dir, j
     engine, cache = worker.scheduler.engine, worker.scheduler.engine.cache
     real_step = engine.step
 
-    def boom():
+    def boom(*_args: object) -> None:
         engine.step = real_step  # fail once
         raise RuntimeError("injected")
 

@@ -69,7 +69,8 @@ class StepReport:
     committed: list[tuple[str, list[int]]]  # (request id, tokens committed this step)
     finished: list[RequestResult]
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    """Per request that asked for them: the logprobs of the tokens it committed this step."""
+    """Per request that asked for them: the logprobs of the tokens it committed this step (its
+    first token and its decode step together), in order."""
     rows_decoding: int = 0
     """Rows that verified a draft (or took an AR step) in this step's forward."""
     rows_prefilling: int = 0

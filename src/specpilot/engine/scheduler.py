@@ -212,7 +212,7 @@ class Scheduler:
             assert not per_token_stats or len(tokens) <= 1, "logprobs need one-step AR windows"
             lps = committed_logprobs(self.engine.fwd, self.engine.final_hidden[row], keep, top)
             res.logprobs.extend(lps)
-            report.logprobs[held.request.id] = lps
+            report.logprobs.setdefault(held.request.id, []).extend(lps)
         report.committed.append((held.request.id, keep))
         if stopped or held.remaining <= 0:
             report.finished.append(self._leave(row, "eos" if stopped else "length"))

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specpilot.engine.logprobs import TokenLogprob
 from specpilot.serve.guard import RequestGuard, default_max_body_bytes, error
 from specpilot.serve.schemas import ChatCompletionRequest, CompletionRequest
 from specpilot.serve.worker import EngineWorker, Job, Outcome
@@ -106,11 +107,26 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
         prompt_ids: list[int],
         budget: int,
         stops: list[str],
-        stream: bool,
+        req: CompletionRequest | ChatCompletionRequest,
         shape: Any,
     ) -> Response:
         loop = asyncio.get_running_loop()
-        job = Job(prompt_ids, budget, stops, loop, asyncio.Queue(), stream=stream)
+        stream, top = req.stream, req.logprob_count()
+        if top is not None and worker.scheduler.engine.plan is not None:
+            from specpilot.engine.plans import TreePlan
+
+            if isinstance(worker.scheduler.engine.plan, TreePlan):
+                return error(400, "logprobs need a chain or packed verify plan.", param="logprobs")
+        job = Job(
+            prompt_ids,
+            budget,
+            stops,
+            loop,
+            asyncio.Queue(),
+            stream=stream,
+            logprobs=top,
+            draft_cap=req.draft_cap(),
+        )
         try:
             worker.submit(job)
         except RuntimeError as e:
@@ -141,9 +157,14 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
                 while True:
                     kind, payload = await job.out.get()
                     if kind == "delta":
-                        yield sse(shape.chunk(rid, created, payload, None))
+                        text, lps = payload
+                        yield sse(shape.chunk(rid, created, text, None, lps))
                     elif kind == "done":
-                        yield sse(shape.chunk(rid, created, "", payload.finish_reason))
+                        rest = payload.unsent  # logprobs no delta carried yet
+                        yield sse(shape.chunk(rid, created, "", payload.finish_reason, rest))
+                        if req.include_usage():
+                            usage = _usage(len(prompt_ids), payload)
+                            yield sse(shape.usage_chunk(rid, created, usage))
                         yield b"data: [DONE]\n\n"
                         return
                     else:
@@ -161,14 +182,8 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
         budget = check(req, prompt_ids)
         if isinstance(budget, JSONResponse):
             return budget
-        return await run(
-            request,
-            prompt_ids,
-            budget,
-            req.stops(),
-            req.stream,
-            _CompletionShape(settings.model_name),
-        )
+        shape = _CompletionShape(settings.model_name, tok)
+        return await run(request, prompt_ids, budget, req.stops(), req, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
@@ -183,9 +198,8 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
         budget = check(req, prompt_ids)
         if isinstance(budget, JSONResponse):
             return budget
-        return await run(
-            request, prompt_ids, budget, req.stops(), req.stream, _ChatShape(settings.model_name)
-        )
+        shape = _ChatShape(settings.model_name, tok)
+        return await run(request, prompt_ids, budget, req.stops(), req, shape)
 
     return app
 
@@ -214,18 +228,49 @@ def _envelope(
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
+def _piece(tok: Any, token: int) -> str:
+    return str(tok.decode([token]))
+
+
+def _chat_logprobs(tok: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: per token its text, logprob, bytes and top alternatives."""
+
+    def entry(t: int, lp: float) -> dict[str, Any]:
+        s = _piece(tok, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {
+        "content": [
+            entry(x.token, x.logprob) | {"top_logprobs": [entry(t, v) for t, v in x.top]}
+            for x in lps
+        ]
+    }
+
+
+def _completion_logprobs(tok: Any, lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    pieces = [_piece(tok, x.token) for x in lps]
+    offsets, at = [], offset
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {
+        "tokens": pieces,
+        "token_logprobs": [x.logprob for x in lps],
+        "top_logprobs": [{_piece(tok, t): v for t, v in x.top} for x in lps],
+        "text_offset": offsets,
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class _CompletionShape:
     model: str
+    tok: Any
     prefix: str = "cmpl"
 
     def full(self, rid: str, created: int, out: Outcome, prompt: int) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": out.text,
-            "logprobs": None,
-            "finish_reason": out.finish_reason,
-        }
+        lps = _completion_logprobs(self.tok, out.logprobs) if out.logprobs else None
+        choice = {"index": 0, "text": out.text, "logprobs": lps, "finish_reason": out.finish_reason}
         return _envelope(rid, "text_completion", created, self.model, choice) | {
             "usage": _usage(prompt, out)
         }
@@ -233,19 +278,33 @@ class _CompletionShape:
     def first_chunk(self, rid: str, created: int) -> dict[str, Any] | None:
         return None
 
-    def chunk(self, rid: str, created: int, text: str, finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def chunk(
+        self,
+        rid: str,
+        created: int,
+        text: str,
+        finish: str | None,
+        lps: list[TokenLogprob] | None = None,
+    ) -> dict[str, Any]:
+        logprobs = _completion_logprobs(self.tok, lps) if lps else None
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return _envelope(rid, "text_completion", created, self.model, choice)
+
+    def usage_chunk(self, rid: str, created: int, usage: dict[str, int]) -> dict[str, Any]:
+        env = _envelope(rid, "text_completion", created, self.model, {})
+        return env | {"choices": [], "usage": usage}
 
 
 @dataclass(frozen=True, slots=True)
 class _ChatShape:
     model: str
+    tok: Any
     prefix: str = "chatcmpl"
 
     def full(self, rid: str, created: int, out: Outcome, prompt: int) -> dict[str, Any]:
         msg = {"role": "assistant", "content": out.text}
-        choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": out.finish_reason}
+        lps = _chat_logprobs(self.tok, out.logprobs) if out.logprobs else None
+        choice = {"index": 0, "message": msg, "logprobs": lps, "finish_reason": out.finish_reason}
         return _envelope(rid, "chat.completion", created, self.model, choice) | {
             "usage": _usage(prompt, out)
         }
@@ -254,10 +313,21 @@ class _ChatShape:
         return self.chunk(rid, created, "", None, first=True)
 
     def chunk(
-        self, rid: str, created: int, text: str, finish: str | None, first: bool = False
+        self,
+        rid: str,
+        created: int,
+        text: str,
+        finish: str | None,
+        lps: list[TokenLogprob] | None = None,
+        first: bool = False,
     ) -> dict[str, Any]:
         delta = (
             {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         )
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        logprobs = _chat_logprobs(self.tok, lps) if lps else None
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return _envelope(rid, "chat.completion.chunk", created, self.model, choice)
+
+    def usage_chunk(self, rid: str, created: int, usage: dict[str, int]) -> dict[str, Any]:
+        env = _envelope(rid, "chat.completion.chunk", created, self.model, {})
+        return env | {"choices": [], "usage": usage}

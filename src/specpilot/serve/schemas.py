@@ -29,6 +29,21 @@ class _Common(BaseModel):
     stream: bool = False
     stop: str | list[str] | None = None
     seed: int | None = None
+    """Accepted and ignored: greedy decoding has one answer."""
+    stream_options: dict[str, Any] | None = None
+    """``{"include_usage": true}``: a streamed answer ends with a usage chunk."""
+    speculative: bool | None = None
+    """Extra body field: false turns speculation off for this request (speed only)."""
+    num_speculative_tokens: int | None = Field(default=None, ge=0)
+    """Extra body field (vLLM's name): the most drafts one cycle verifies for this request."""
+
+    def draft_cap(self) -> int | None:
+        if self.speculative is False:
+            return 0
+        return self.num_speculative_tokens
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
 
     @field_validator("temperature")
     @classmethod
@@ -65,6 +80,11 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[int]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    """The legacy field: the committed token's logprob and this many alternatives."""
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -93,3 +113,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

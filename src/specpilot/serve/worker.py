@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from specpilot.engine import Request, RequestResult, Scheduler
+from specpilot.engine.logprobs import TokenLogprob
 from specpilot.forcing import force_tokens
 from specpilot.loading import TextTokenizer
 from specpilot.serve.detok import IncrementalDetokenizer
@@ -42,10 +43,14 @@ class Job:
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
-    """Receives ``("delta", text)`` (streamed jobs only), then ``("done", Outcome)`` or
+    """Receives ``("delta", (text, logprobs))`` (streamed jobs only), then ``("done", Outcome)`` or
     ``("error", message)``."""
     stream: bool = True
     """Send the text as it comes (``delta``); a plain request only needs the outcome."""
+    logprobs: int | None = None
+    """None, or the alternatives per token (``Request.logprobs``); deltas then carry them."""
+    draft_cap: int | None = None
+    """``Request.draft_cap``: speed only."""
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_step: int | None = None
     """The worker's step count when the client went away (set by ``EngineWorker.cancel``)."""
@@ -60,6 +65,9 @@ class Outcome:
     tokens: list[int]
     finish_reason: str  # "stop" | "length"
     seconds: float
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    unsent: list[TokenLogprob] = field(default_factory=list)
+    """The logprobs no streamed delta carried (the last chunk carries them)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +84,9 @@ class _Stream:
     pending: str = ""
     """Decoded text held back: it may be the start of a stop string."""
     stopped_by_string: bool = False
+    unsent: list[TokenLogprob] = field(default_factory=list)
+    """Logprobs of tokens whose text is not shown yet (sent with the next delta)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def _add(self, new: str, final: bool) -> None:
         """Show ``new`` up to a stop string; hold back a tail that could begin one."""
@@ -95,10 +106,14 @@ class _Stream:
         if text:
             self.shown.append(text)
             if self.job.stream:
-                self.job.send(("delta", text))
+                self.job.send(("delta", (text, self.unsent)))
+                self.unsent = []
 
-    def feed(self, tokens: list[int]) -> bool:
+    def feed(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> bool:
         """Stream what is safe to show; True when a stop string appeared (the job is done)."""
+        if logprobs:
+            self.unsent = self.unsent + logprobs
+            self.logprobs.extend(logprobs)
         self._add(self.detok.push(tokens), final=False)
         return self.stopped_by_string
 
@@ -107,7 +122,8 @@ class _Stream:
         reason = "stop" if stop_reason == "eos" or self.stopped_by_string else "length"
         seconds = time.perf_counter() - self.started
         tokens = list(self.detok.ids)
-        return Outcome("".join(self.shown), tokens, finish_reason=reason, seconds=seconds)
+        text = "".join(self.shown)
+        return Outcome(text, tokens, reason, seconds, list(self.logprobs), self.unsent)
 
 
 class EngineWorker:
@@ -221,7 +237,7 @@ class EngineWorker:
             t0 = time.perf_counter()
             self.metrics.step_rows.observe(sched.running)
             try:
-                report = sched.step()
+                report = sched.step(functools.partial(self._admittable, sched))
             except Exception as e:  # the running requests fail; the worker lives on
                 sched = self._recover(sched, f"generation failed: {e}")
                 continue
@@ -232,12 +248,18 @@ class EngineWorker:
             self.steps += 1
             for rid, tokens in report.committed:
                 live = self._live.get(rid)  # gone if a stop string ended it earlier this step
-                if live is not None and live.feed(tokens):  # a stop string: no more tokens
+                if live is not None and live.feed(
+                    tokens, report.logprobs.pop(rid, None)
+                ):  # a stop string: no more tokens
                     result = sched.cancel(rid)  # None if it also finished in this step
                     if result is not None:
                         self._done(result)
             for result in report.finished:
                 self._done(result)
+
+    def _admittable(self, sched: Scheduler) -> bool:
+        """A queued job could take a row now (asked between the AR steps of a window)."""
+        return not self._jobs.empty() and sched.running < sched.num_slots
 
     def _recover(self, sched: Scheduler, message: str) -> Scheduler:
         """After a failed step: every request in a row gets ``message``; the rows of the same
@@ -270,7 +292,14 @@ class EngineWorker:
                 continue
             rid = f"job-{next(self._ids)}"
             stop = frozenset(self.eos_ids)
-            request = Request(rid, tuple(item.prompt_ids), item.max_new_tokens, stop)
+            request = Request(
+                rid,
+                tuple(item.prompt_ids),
+                item.max_new_tokens,
+                stop,
+                draft_cap=item.draft_cap,
+                logprobs=item.logprobs,
+            )
             try:
                 sched.submit(request)
             except Exception as e:  # check_fits: the app checks first, so this is rare
