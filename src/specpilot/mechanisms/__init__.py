@@ -11,6 +11,7 @@ from specpilot.mechanisms.decode_attn import MECHANISM as SPLIT_KV
 from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
 from specpilot.mechanisms.fused_gemv import MECHANISM as FUSED_GEMV
+from specpilot.mechanisms.gguf_blocks import MECHANISM as GGUF_BLOCKS
 from specpilot.mechanisms.l2_prefetch import MECHANISM as L2_PREFETCH
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
@@ -42,6 +43,7 @@ _ALL: tuple[Mechanism, ...] = (
     L2_PREFETCH,
     SPLIT_KV,
     FUSED_GEMV,
+    GGUF_BLOCKS,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

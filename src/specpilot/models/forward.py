@@ -338,6 +338,9 @@ class Forward(Generic[NetT]):
     def logits_normed(self, h: Tensor) -> Tensor:  # final-normed [M, hidden] -> [M, vocab]
         """The LM head (the ``[in, out]`` copy for one row when the model keeps one)."""
         m = self.model
+        fn = getattr(m, "lm_head_fn", None)
+        if fn is not None:
+            return fn(h)
         if m.lm_head_in_out is not None and h.shape[0] == 1:
             return h @ m.lm_head_in_out
         return F.linear(h, m.lm_head)

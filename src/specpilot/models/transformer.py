@@ -70,6 +70,9 @@ class Transformer(nn.Module):
         # Plug point "lm_head_argmax": final-normed hidden [B, R, hidden] -> token ids [B, R].
         # It must return exactly the argmax of ``forward``'s logits (lowest id on ties).
         self.argmax_head: Callable[[Tensor], Tensor] | None = None
+        # Plug point "linear_weights" for the LM head: final-normed hidden [M, hidden] -> logits
+        # [M, vocab] from another storage of the same weights (mechanisms/gguf_blocks.py).
+        self.lm_head_fn: Callable[[Tensor], Tensor] | None = None
         # Plug point "kernel_choice": (q [B, H_kv, G*W, D], k_cache, v_cache, DenseLayout) ->
         # attention output [B*W, H*D] in forward-row order, or None to leave that layout to SDPA,
         # for dense layouts that carry their lengths (``Forward.attend``; e.g.

@@ -1,0 +1,156 @@
+"""gguf-blocks: on the CPU, a GGUF target's linear layers and LM head compute from the file's own
+quantized blocks (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), dequantized inside a numba GEMM.
+
+Plug point ``linear_weights``: ``apply`` reads the blocks (``loading/gguf_blocks.py``), fuses
+q/k/v and gate/up by rows as the network does, and installs :class:`BlockLinear` in every
+``DecoderLayer.linear_fns`` and in ``Transformer.lm_head_fn``. The fp32 parameters stay (the
+stock reference); the kernels read ~4.5-9 bits per weight instead of 32.
+
+Lossless: every block type's ``d·q`` is an exact fp32 product, so the fused multiply-add rounds
+once to exactly the weight gguf's dequantization gives (the stock path's fp32 weights, proven per
+block type and on every tensor of the real file by tests/test_gguf_blocks.py); only the fp32
+summation order differs, which the near-tie tolerance covers and token forcing checks.
+A machine without numba gets one line and keeps the fp32 path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+
+if TYPE_CHECKING:
+    from specpilot.loading.gguf_blocks import Packed
+    from specpilot.mechanisms.parts import EngineParts
+    from specpilot.models.transformer import Transformer
+
+
+class BlockLinear:
+    """``fn(x [.., K], bias [N] | None) -> [.., N]`` over row segments of packed blocks."""
+
+    def __init__(self, parts: list[Packed], k: int) -> None:
+        from specpilot.kernels import gguf_gemm
+
+        self.parts = parts
+        self.k = k
+        self.n = sum(p.rows for p in parts)
+        self._g = gguf_gemm
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
+        x2 = x.reshape(-1, self.k).contiguous()  # [M, K] fp32
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)  # [M, N]
+        xa, oa = x2.numpy(), out.numpy()
+        col = 0
+        for p in self.parts:
+            if p.kind == "q4":
+                self._g.gemm_q4(xa, p.codes, p.sc, p.mn, oa, col)
+            else:
+                self._g.gemm_q8(xa, p.codes, p.sc, p.mn, p.has_min, oa, col)
+            col += p.rows
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], self.n)
+
+
+_FUSED = {
+    "w_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "w_o": ("self_attn.o_proj",),
+    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "w_down": ("mlp.down_proj",),
+}
+
+
+def _merge(parts: list[Packed]) -> list[Packed]:
+    """Adjacent row segments of one layout joined into one (one kernel call for q/k/v)."""
+    from specpilot.loading.gguf_blocks import Packed
+
+    out: list[Packed] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if last is not None and last.kind == p.kind and last.has_min == p.has_min:
+            out[-1] = Packed(
+                p.kind,
+                np.concatenate([last.codes, p.codes]),
+                np.concatenate([last.sc, p.sc]),
+                np.concatenate([last.mn, p.mn]),
+                p.has_min,
+            )
+        else:
+            out.append(p)
+    return out
+
+
+def install(model: Transformer, path: str, threads: int = 0) -> dict[str, float]:
+    """Install the block kernels on ``model`` (loaded from the GGUF at ``path``)."""
+    import numba
+
+    from specpilot.loading.gguf_blocks import read_blocks
+    from specpilot.models.layer import DecoderLayer
+
+    cfg = model.cfg
+    blocks = read_blocks(Path(path), cfg.arch, cfg.num_heads, cfg.num_kv_heads)
+    numba.set_num_threads(threads or torch.get_num_threads())  # once, at install
+    stored = weights = 0.0
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        for name, hf in _FUSED.items():
+            names = [f"model.layers.{i}.{h}.weight" for h in hf]
+            if not all(n in blocks for n in names):
+                continue
+            lin = BlockLinear(_merge([blocks[n] for n in names]), getattr(layer, name).shape[1])
+            layer.linear_fns[name] = lin
+            stored += 8.0 * lin.nbytes()
+            weights += float(getattr(layer, name).numel())
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    if head in blocks:
+        lin = BlockLinear([blocks[head]], cfg.hidden_size)
+        model.lm_head_fn = lin
+        stored += 8.0 * lin.nbytes()
+        weights += float(model.lm_head.numel())
+    return {"bits_per_weight": stored / max(weights, 1.0), "weights": weights}
+
+
+def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
+    from specpilot.loading.fetch import resolve_model
+
+    if importlib.util.find_spec("numba") is None:
+        build.notes.append(
+            "gguf-blocks: numba is not installed; the fp32 path runs (pip install numba)."
+        )
+        print("gguf-blocks: numba is not installed; keeping the float32 path.")
+        return
+    path = resolve_model(build.target.spec)
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        build.notes.append("gguf-blocks: the target is no GGUF file; nothing installed.")
+        return
+    stats = install(build.target.model, str(path), int(knobs["threads"]))
+    build.notes.append(f"gguf-blocks: {stats['bits_per_weight']:.2f} bits/weight")
+
+
+MECHANISM = Mechanism(
+    name="gguf-blocks",
+    component="mlp",
+    plug_point="linear_weights",
+    lossless=(
+        "The kernels multiply the GGUF's blocks dequantized in registers with one fused "
+        "multiply-add over an exact product, bit-identical to gguf's dequantization (the stock "
+        "fp32 weights; tested per block type and on every tensor of the real file); only fp32 "
+        "summation order differs. Argument in mechanisms/gguf_blocks.py."
+    ),
+    apply=_apply,
+    knobs=(Knob("threads", 0, low=0, high=256, doc="numba threads (0: torch's count)"),),
+    applies=Applicability(devices=("cpu",), dtypes=("fp32", "float32")),
+    summary="compute linear layers and the LM head from the GGUF's own Q4/Q8/K blocks (numba)",
+)
+
+__all__ = ["MECHANISM", "BlockLinear", "install"]
