@@ -104,12 +104,19 @@ class Scheduler:
     def submit(self, request: Request) -> None:
         """Queue a request; it takes a row at the start of a later step."""
         self.check_fits(len(request.prompt_ids), request.max_new_tokens)
-        if request.logprobs is not None and isinstance(self.engine.plan, TreePlan):
-            raise ValueError(
+        why = self.logprobs_refused() if request.logprobs is not None else None
+        if why is not None:
+            raise ValueError(why)
+        self._waiting.append(request)
+
+    def logprobs_refused(self) -> str | None:
+        """Why this engine cannot give logprobs (None: it can)."""
+        if isinstance(self.engine.plan, TreePlan):
+            return (
                 "logprobs need a chain or packed verify plan: a tree verify commits tokens "
                 "from positions off the block's order"
             )
-        self._waiting.append(request)
+        return None
 
     def cancel(self, request_id: str) -> RequestResult | None:
         """Drop a waiting or running request now; its result so far (``cancelled``), if any."""

@@ -112,11 +112,9 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
     ) -> Response:
         loop = asyncio.get_running_loop()
         stream, top = req.stream, req.logprob_count()
-        if top is not None and worker.scheduler.engine.plan is not None:
-            from specpilot.engine.plans import TreePlan
-
-            if isinstance(worker.scheduler.engine.plan, TreePlan):
-                return error(400, "logprobs need a chain or packed verify plan.", param="logprobs")
+        why = worker.scheduler.logprobs_refused() if top is not None else None
+        if why is not None:  # the scheduler's own rule, answered before the job queues
+            return error(400, why + ".", param="logprobs")
         job = Job(
             prompt_ids,
             budget,
