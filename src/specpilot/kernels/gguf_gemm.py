@@ -8,9 +8,14 @@ Two packed layouts hold every supported block type (``loading/gguf_blocks.py`` u
 
 ``d·q`` is exact in fp32 for every block type (at most 24 significant bits), so the fused
 multiply-add that ``fastmath={'contract'}`` allows rounds once, exactly as gguf's
-``(d * q) + m`` does: the kernel multiplies the very float32 weights of the stock path. Only the
-summation order differs (``reassoc``), and it is the same for every row of ``x`` whatever the
-width ``M``: per output, per group a 32- (16-) term partial sum, the partials added in order.
+``(d * q) + m`` does: the kernel multiplies the very float32 weights of the stock path.
+
+Shape of the work: the output rows are cut into chunks of ``ROWS`` (one ``prange`` task each,
+one K-float row buffer per task, allocated once). Per output row the task decodes the row's
+weights into the buffer (L1-resident: K ≤ a few thousand floats) and takes one contiguous dot
+product per row of ``x``, so the decode is paid once for all ``M`` rows of the verify. Only the
+summation order differs from the stock path (``reassoc`` lets LLVM vectorize the dot), and it is
+the same for every row of ``x`` whatever the width ``M``: the same loop runs for each.
 """
 
 from __future__ import annotations
@@ -19,55 +24,59 @@ import numpy as np
 from numba import njit, prange
 
 _FM = {"reassoc", "contract"}
+ROWS = 32
+"""Output rows per parallel task (one decode buffer per task)."""
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, error_model="numpy", inline="always")
+def _dots(w, x, out, col):  # type: ignore[no-untyped-def]
+    """out[r, col] = sum_j w[j] * x[r, j] for every row r of x [M, K]; w [K] f32."""
+    for r in range(x.shape[0]):
+        xr = x[r]
+        s = np.float32(0.0)
+        for j in range(w.shape[0]):
+            s += w[j] * xr[j]
+        out[r, col] = s
+
+
+@njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
 def gemm_q4(x, qs, sc, mn, out, col0):  # type: ignore[no-untyped-def]
     """out[m, col0 + n] = sum_k x[m, k] * w[n, k]; x [M, K] f32, qs [N, K/2] u8, sc/mn [N, K/32]."""
-    m_rows, k = x.shape
+    k = x.shape[1]
     n_rows = qs.shape[0]
-    groups = k // 32
-    for n in prange(n_rows):
-        w = np.empty(32, np.float32)
-        acc = np.zeros(m_rows, np.float32)
-        for g in range(groups):
-            d = sc[n, g]
-            m0 = mn[n, g]
-            for j in range(16):
-                b = qs[n, g * 16 + j]
-                w[j] = d * np.float32(b & 15) + m0
-                w[j + 16] = d * np.float32(b >> 4) + m0
-            for r in range(m_rows):
-                s = np.float32(0.0)
-                for j in range(32):
-                    s += w[j] * x[r, g * 32 + j]
-                acc[r] += s
-        for r in range(m_rows):
-            out[r, col0 + n] = acc[r]
+    for c in prange((n_rows + ROWS - 1) // ROWS):
+        w = np.empty(k, np.float32)  # [K] the row being decoded
+        for n in range(c * ROWS, min(n_rows, (c + 1) * ROWS)):
+            qrow, srow, mrow = qs[n], sc[n], mn[n]
+            for g in range(k // 32):
+                d, m0 = srow[g], mrow[g]
+                wg = w[g * 32 : g * 32 + 32]
+                qg = qrow[g * 16 : g * 16 + 16]
+                for j in range(16):
+                    b = np.int32(qg[j])
+                    wg[j] = d * np.float32(b & 15) + m0
+                    wg[j + 16] = d * np.float32(b >> 4) + m0
+            _dots(w, x, out, col0 + n)
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
+@njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
 def gemm_q8(x, q, sc, mn, has_min, out, col0):  # type: ignore[no-untyped-def]
     """As :func:`gemm_q4` for int8 codes ``q [N, K]``, scales (and mins) ``[N, K/16]``."""
-    m_rows, k = x.shape
+    k = x.shape[1]
     n_rows = q.shape[0]
-    groups = k // 16
-    for n in prange(n_rows):
-        w = np.empty(16, np.float32)
-        acc = np.zeros(m_rows, np.float32)
-        for g in range(groups):
-            d = sc[n, g]
-            if has_min:
-                m0 = mn[n, g]
-                for j in range(16):
-                    w[j] = d * np.float32(q[n, g * 16 + j]) + m0
-            else:
-                for j in range(16):
-                    w[j] = d * np.float32(q[n, g * 16 + j])
-            for r in range(m_rows):
-                s = np.float32(0.0)
-                for j in range(16):
-                    s += w[j] * x[r, g * 16 + j]
-                acc[r] += s
-        for r in range(m_rows):
-            out[r, col0 + n] = acc[r]
+    for c in prange((n_rows + ROWS - 1) // ROWS):
+        w = np.empty(k, np.float32)  # [K] the row being decoded
+        for n in range(c * ROWS, min(n_rows, (c + 1) * ROWS)):
+            qrow, srow, mrow = q[n], sc[n], mn[n]
+            for g in range(k // 16):
+                d = srow[g]
+                m0 = mrow[g] if has_min else np.float32(0.0)
+                wg = w[g * 16 : g * 16 + 16]
+                qg = qrow[g * 16 : g * 16 + 16]
+                if has_min:
+                    for j in range(16):
+                        wg[j] = d * np.float32(qg[j]) + m0
+                else:
+                    for j in range(16):
+                        wg[j] = d * np.float32(qg[j])
+            _dots(w, x, out, col0 + n)
