@@ -14,6 +14,8 @@
 #   tree      `specpilot tune` under an EAGLE-like simulated tree profile (peaked 8B)
 #   gate      `specpilot bench` with the n-gram drafter, gate on and off (mt-bench)
 #   serve     bench/serve_concurrency.py: `specpilot serve` at 1 / 4 / 16 concurrent clients
+#   latency   `specpilot bench --mode serve` against `specpilot serve` (DRAFTERS="none ngram"):
+#             TTFT / TPOT / ITL at 1 / 4 / 16 / 32 concurrent (docs/SERVE.md)
 #   kernels   the kernel micro-benchmarks: w12, gemv sweep, split-kv attention, fused GEMVs,
 #             tree accept, L2 prefetch, exact head, two-level on graphs (KERNELS=w12,attn to pick)
 #   train     `specpilot train-drafter` DFlash on SmolLM2 (carry the GGUF and ShareGPT, below)
@@ -80,6 +82,16 @@ fi
 if has serve; then
   hfdir $RANDOM_DIR
   TAIL=10 step serve 420 python3 bench/serve_concurrency.py --out "$out/serve" --concurrency 1,4,16 --max-tokens 128 -- $(dep $RANDOM_DIR) --drafter none
+fi
+if has latency; then
+  hfdir $RANDOM_DIR
+  for d in ${DRAFTERS:-none ngram}; do
+    $SP serve $(dep $RANDOM_DIR) --drafter $d --port 8123 --max-concurrency 32 > "$out/serve_$d.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 240); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 1; done
+    TAIL=8 step "bench_serve_$d" 240 $SP bench --mode serve --url http://127.0.0.1:8123 --prompts mt-bench --limit 8 --concurrency ${LEVELS:-1,4,16,32} --max-new-tokens 128 --out "$out/bench_serve_$d.json"
+    kill $pid; wait $pid 2> /dev/null
+  done
 fi
 if has kernels; then
   k=,${KERNELS:-w12,sweep,attn,gemv,tree,l2,head,twolevel},

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Idle OpenMP threads sleep instead of spinning (read when torch loads libgomp, so set before the
 # import). On two cores shared with other jobs, spinning threads made the same test file run
@@ -85,3 +87,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from test_cli import tiny_dir
 
     return tiny_dir(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def two_slot_server(model_dir: Path) -> Iterator[Any]:
+    """``specpilot serve`` (uvicorn on a free loopback port) over ``model_dir``, two slots."""
+    from specpilot.commands.serve import build_app
+    from test_serve import RunningServer, free_port, serve_args
+
+    app = build_app(serve_args(model_dir, "--max-concurrency", "2"))
+    with RunningServer(app, free_port()) as s:
+        yield s

@@ -4,24 +4,17 @@ or capped per request giving the same tokens, fields accepted and ignored."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
 import pytest
 import torch
 
 from specpilot.commands.common import build_deployment
-from specpilot.commands.serve import build_app
-from test_serve import RunningServer, free_port, serve_args
+from test_serve import RunningServer, serve_args
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[RunningServer]:
-    with RunningServer(
-        build_app(serve_args(model_dir, "--max-concurrency", "2")), free_port()
-    ) as s:
-        yield s
+def server(two_slot_server):
+    return two_slot_server
 
 
 def client(server: RunningServer) -> openai.OpenAI:

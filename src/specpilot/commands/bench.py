@@ -56,27 +56,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b = p.add_argument_group("batched mode (continuous batching, docs/SERVE.md)")
     b.add_argument(
         "--mode",
-        choices=["single", "batched"],
+        choices=["single", "batched", "serve"],
         default="single",
-        help="single: one prompt at a time; batched: requests share a continuous batch "
-        "(default: %(default)s)",
+        help="single: one prompt at a time; batched: requests share a continuous batch; "
+        "serve: load an OpenAI-compatible server at --url (TTFT / TPOT / ITL, vLLM's metric "
+        "names; --prompts sharegpt for ShareGPT V3) (default: %(default)s)",
     )
     b.add_argument(
         "--concurrency",
         default="16,20,24",
-        help="batched: slots (requests decoded together), comma-separated (default: %(default)s)",
+        help="batched: slots (requests decoded together); serve: requests in flight; comma-separated (default: %(default)s)",
     )
     b.add_argument(
         "--requests",
         type=int,
         default=None,
-        help="batched: requests per concurrency, prompts cycled (default: 2 x concurrency)",
+        help="batched, serve: requests per concurrency, prompts cycled (default: 2 x concurrency)",
     )
     b.add_argument(
         "--arrival-rate",
         type=float,
         default=0.0,
-        help="batched: Poisson arrivals per second; 0 = all at once (default: %(default)s)",
+        help="batched, serve: Poisson arrivals per second; 0 = all at once (default: %(default)s)",
     )
     b.add_argument(
         "--segment-tokens",
@@ -86,6 +87,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "segment_tokens, else 256)",
     )
     b.add_argument("--seed", type=int, default=0, help="batched: arrival seed (default: 0)")
+    b.add_argument("--url", default=None, help="serve: the server's base URL")
+    b.add_argument(
+        "--served-model", default=None, help="serve: model name (default: /v1/models' first)"
+    )
     add_engine_args(p)
 
 
@@ -94,6 +99,16 @@ def check(args: argparse.Namespace) -> list[str]:
     prompt set if it is not cached yet, so that a failed fetch costs no model load."""
     at_least(args, "rounds", 1)
     writable_file(args.out, "--out")
+    if args.url and args.mode != "serve":
+        raise SpecPilotError("--url is for --mode serve.")
+    if args.mode == "serve":
+        from specpilot.commands.bench_serve import check_serve
+
+        at_least(args, "requests", 1)
+        at_least(args, "arrival_rate", 0)
+        check_serve(args)
+        if args.prompts == "sharegpt":
+            return []
     if args.mode == "batched":
         from specpilot.commands.bench_batched import parse_concurrency
 
@@ -110,6 +125,10 @@ def check(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.mode == "serve":
+        from specpilot.commands.bench_serve import run_serve
+
+        return run_serve(args)
     if args.mode == "batched":
         from specpilot.commands.bench_batched import run_batched
 

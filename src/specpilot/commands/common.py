@@ -227,6 +227,8 @@ def check_args(args: argparse.Namespace, module: ModuleType) -> list[str]:
     check_shared(args)
     own: Check | None = getattr(module, "check", None)
     notes = [] if own is None else own(args)
+    if getattr(args, "mode", None) == "serve":  # bench --mode serve loads nothing: a server does
+        return notes
     if hasattr(args, "drafter"):  # the deployment options of add_engine_args
         notes += check_deployment(args)
     elif isinstance(getattr(args, "engine", None), Path):  # compare: configs, no flags
