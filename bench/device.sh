@@ -14,7 +14,8 @@
 #   tree      `specpilot tune` under an EAGLE-like simulated tree profile (peaked 8B)
 #   gate      `specpilot bench` with the n-gram drafter, gate on and off (mt-bench)
 #   serve     bench/serve_concurrency.py: `specpilot serve` at 1 / 4 / 16 concurrent clients
-#   latency   `specpilot bench --mode serve` against `specpilot serve` (DRAFTERS="none ngram"):
+#   latency   `specpilot bench --mode serve` against `specpilot serve` (SERVES="none:4 none:0 ngram:4",
+#             drafter:stream-window):
 #             TTFT / TPOT / ITL at 1 / 4 / 16 / 32 concurrent (docs/SERVE.md)
 #   kernels   the kernel micro-benchmarks: w12, gemv sweep, split-kv attention, fused GEMVs,
 #             tree accept, L2 prefetch, exact head, two-level on graphs (KERNELS=w12,attn to pick)
@@ -85,11 +86,12 @@ if has serve; then
 fi
 if has latency; then
   hfdir $RANDOM_DIR
-  for d in ${DRAFTERS:-none ngram}; do
-    $SP serve $(dep $RANDOM_DIR) --drafter $d --port 8123 --max-concurrency 32 > "$out/serve_$d.log" 2>&1 &
+  for cfg in ${SERVES:-none:4 none:0 ngram:4}; do  # drafter:stream-window (0: the engine's 16)
+    d=${cfg%:*} w=${cfg#*:}
+    $SP serve $(dep $RANDOM_DIR) --drafter $d --stream-window $w --port 8123 --max-concurrency 32 > "$out/serve_${d}_w$w.log" 2>&1 &
     pid=$!
     for _ in $(seq 240); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 1; done
-    TAIL=8 step "bench_serve_$d" 240 $SP bench --mode serve --url http://127.0.0.1:8123 --prompts mt-bench --limit 8 --concurrency ${LEVELS:-1,4,16,32} --max-new-tokens 128 --out "$out/bench_serve_$d.json"
+    TAIL=6 step "bench_serve_${d}_w$w" 240 $SP bench --mode serve --url http://127.0.0.1:8123 --prompts mt-bench --limit 8 --concurrency ${LEVELS:-1,4,16,32} --max-new-tokens 128 --out "$out/bench_serve_${d}_w$w.json"
     kill $pid; wait $pid 2> /dev/null
   done
 fi

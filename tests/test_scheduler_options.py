@@ -132,3 +132,21 @@ def test_a_first_token_cuts_the_window_and_interrupt_ends_it():
     while sched.has_work:
         done |= {r.id: r.tokens for r in sched.step().finished}
     assert done["a"] == ar_tokens(t, a, 40) and done["b"] == ar_tokens(t, b, 10)
+
+
+def test_a_window_cap_bounds_every_step_and_keeps_the_tokens():
+    """``Scheduler(window=3)`` (``serve --stream-window``): no step commits more than 3 tokens a
+    row though the engine's windows are 8, and the tokens are plain AR's."""
+    t = target()
+    sched = Scheduler(Engine(t, sync_every=8), slots=1, window=3)
+    (a,) = prompts(1, seed=7)
+    sched.submit(Request("a", a, 20))
+    sizes, done = [], {}
+    while sched.has_work:
+        report = sched.step()
+        sizes.append(counts(report).get("a", 0))
+        done |= {r.id: r.tokens for r in report.finished}
+    assert sizes[0] == 2 and max(sizes[1:]) == 3  # first token + one step, then windows of 3
+    assert done["a"] == ar_tokens(t, a, 20)
+    with pytest.raises(ValueError, match="window"):
+        Scheduler(Engine(t), window=0)

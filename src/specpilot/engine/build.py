@@ -84,11 +84,17 @@ class EngineBuild(EngineParts):
         segment_tokens: int | None = 256,
         max_context: int | None = None,
         stock: bool = False,
+        window: int | None = None,
     ) -> Scheduler:
-        """Continuous batching over this build's engine (``stock``: over batched plain AR)."""
+        """Continuous batching over this build's engine (``stock``: over batched plain AR;
+        ``window``: AR steps per read-back at most, :class:`Scheduler`)."""
         engine = self.stock_engine() if stock else self.engine()
         return Scheduler(
-            engine, slots=slots, segment_tokens=segment_tokens, max_context=max_context
+            engine,
+            slots=slots,
+            segment_tokens=segment_tokens,
+            max_context=max_context,
+            window=window,
         )
 
 

@@ -59,17 +59,23 @@ class Scheduler:
         slots: int = 1,
         segment_tokens: int | None = None,
         max_context: int | None = None,
+        window: int | None = None,
     ) -> None:
         """``segment_tokens``: prompt tokens a row in prefill feeds per step (None: the whole
         prompt at once). ``max_context``: the longest prompt + ``max_new_tokens`` a request may
         ask for (default: all the engine allows); every row is allocated for it once, so that
-        captured graphs stay valid."""
+        captured graphs stay valid. ``window``: AR steps one step may run at most before its
+        read-back (None: the engine's ``sync_every``, 16 on CUDA); a server streams each
+        step's tokens, so its inter-token latency is a window's time."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if segment_tokens is not None and segment_tokens < 1:
             raise ValueError(f"segment_tokens must be at least 1, got {segment_tokens}")
         self.engine = engine
         self.segment_tokens = segment_tokens
+        if window is not None and window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.window = window
         self.max_context = engine.max_context if max_context is None else max_context
         engine.open(slots, self.max_context)
         self.steps = 0
@@ -163,7 +169,7 @@ class Scheduler:
         decoding = [r for r in self._rows if r is not None and r.decoding]
         if decoding:
             one = started or any(r.request.logprobs is not None for r in decoding)
-            for c in self.engine.step(1 if one else None, interrupt):
+            for c in self.engine.step(1 if one else self.window, interrupt):
                 held = self._rows[c.row]
                 assert held is not None
                 report.rows_decoding += 1

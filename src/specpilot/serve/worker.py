@@ -200,6 +200,7 @@ class EngineWorker:
             slots=old.num_slots,
             segment_tokens=old.segment_tokens,
             max_context=old.max_context,
+            window=old.window,
         )
         self.restarts += 1
         return self.scheduler
