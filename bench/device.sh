@@ -92,6 +92,7 @@ if has latency; then
     pid=$!
     for _ in $(seq 240); do curl -sf http://127.0.0.1:8123/health > /dev/null && break; sleep 1; done
     TAIL=6 step "bench_serve_${d}_w$w" 240 $SP bench --mode serve --url http://127.0.0.1:8123 --prompts mt-bench --limit 8 --concurrency ${LEVELS:-1,4,16,32} --max-new-tokens 128 --out "$out/bench_serve_${d}_w$w.json"
+    curl -s http://127.0.0.1:8123/metrics > "$out/metrics_${d}_w$w.txt"  # server-side TTFT, prefill
     kill $pid; wait $pid 2> /dev/null
   done
 fi

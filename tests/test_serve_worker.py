@@ -5,6 +5,7 @@ on CUDA the worker thread runs the scheduler on CUDA graphs."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,3 +143,24 @@ def test_worker_runs_on_cuda_graphs(case, model_dir, tmp_path, jobs_of):
         assert kind == "done" and done.tokens == ar_tokens(worker, p, 40), case
     runner = worker.scheduler.engine.runner
     assert runner.use_graphs and runner.captures > 0
+
+
+def test_time_to_first_token_and_text_are_observed_once_per_request(model_dir, jobs_of):
+    """Each request adds one time-to-first-token sample, and one time-to-first-text sample
+    when it showed text at all, never earlier than its first token; a step that fed a prompt
+    adds a prefill-step sample."""
+    worker, _ = worker_for(model_dir, "cpu", "-k", "4", "--max-concurrency", "2")
+    tok, jobs = worker.tokenizer, jobs_of(worker)
+    worker.start()
+    queued = [jobs.submit(tok.encode(p), 8) for p in ("hello world", "world hi", "hi")]
+    outcomes = [jobs.outcome(j)[1] for j in queued]
+    answered = sum(time.perf_counter() - j.submitted for j in queued)  # an upper bound
+    value = worker.metrics.value
+    assert value("specpilot_time_to_first_token_seconds_count") == 3
+    with_text = sum(bool(o.text) for o in outcomes)  # type: ignore[attr-defined]
+    assert value("specpilot_time_to_first_text_seconds_count") == with_text
+    first_token = value("specpilot_time_to_first_token_seconds_sum")
+    assert 0 < first_token < answered
+    if with_text == 3:
+        assert value("specpilot_time_to_first_text_seconds_sum") >= first_token
+    assert value("specpilot_prefill_step_seconds_count") >= 2  # two rows: at least two steps

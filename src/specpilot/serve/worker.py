@@ -54,6 +54,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_step: int | None = None
     """The worker's step count when the client went away (set by ``EngineWorker.cancel``)."""
+    submitted: float = field(default_factory=time.perf_counter)
+    """When the job was made (just before ``EngineWorker.submit``): time to first token's zero."""
 
     def send(self, item: tuple[str, Any]) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, item)
@@ -87,6 +89,8 @@ class _Stream:
     unsent: list[TokenLogprob] = field(default_factory=list)
     """Logprobs of tokens whose text is not shown yet (sent with the next delta)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_at: float | None = None
+    first_text_at: float | None = None
 
     def _add(self, new: str, final: bool) -> None:
         """Show ``new`` up to a stop string; hold back a tail that could begin one."""
@@ -104,6 +108,8 @@ class _Stream:
 
     def _show(self, text: str) -> None:
         if text:
+            if self.first_text_at is None:
+                self.first_text_at = time.perf_counter()
             self.shown.append(text)
             if self.job.stream:
                 self.job.send(("delta", (text, self.unsent)))
@@ -111,6 +117,8 @@ class _Stream:
 
     def feed(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> bool:
         """Stream what is safe to show; True when a stop string appeared (the job is done)."""
+        if tokens and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
         if logprobs:
             self.unsent = self.unsent + logprobs
             self.logprobs.extend(logprobs)
@@ -244,14 +252,19 @@ class EngineWorker:
                 continue
             t1 = time.perf_counter()
             self.metrics.step_seconds.inc(t1 - t0)
+            if report.rows_prefilling:
+                self.metrics.prefill_step_seconds.observe(t1 - t0)
             self.metrics.host_seconds.inc(t0 - busy_since)
             busy_since = t1
             self.steps += 1
             for rid, tokens in report.committed:
                 live = self._live.get(rid)  # gone if a stop string ended it earlier this step
-                if live is not None and live.feed(
-                    tokens, report.logprobs.pop(rid, None)
-                ):  # a stop string: no more tokens
+                if live is None:
+                    continue
+                firsts = live.first_token_at, live.first_text_at
+                stopped = live.feed(tokens, report.logprobs.pop(rid, None))
+                self._observe_firsts(live, firsts)
+                if stopped:  # a stop string: no more tokens
                     result = sched.cancel(rid)  # None if it also finished in this step
                     if result is not None:
                         self._done(result)
@@ -314,9 +327,19 @@ class EngineWorker:
         if job.cancel_step is not None:
             self.metrics.cancel_delay_steps.observe(max(0, self.steps - job.cancel_step))
 
+    def _observe_firsts(self, live: _Stream, before: tuple[float | None, float | None]) -> None:
+        """Time to first token / text, once each, when ``live`` just reached them."""
+        zero = live.job.submitted
+        if before[0] is None and live.first_token_at is not None:
+            self.metrics.time_to_first_token.observe(live.first_token_at - zero)
+        if before[1] is None and live.first_text_at is not None:
+            self.metrics.time_to_first_text.observe(live.first_text_at - zero)
+
     def _done(self, result: RequestResult) -> None:
         stream = self._live.pop(result.id)
+        firsts = stream.first_token_at, stream.first_text_at
         outcome = stream.finish(result.stop_reason)
+        self._observe_firsts(stream, firsts)
         self.metrics.observe(result.stats)
         self.metrics.tokens.inc(len(outcome.tokens))
         self.metrics.requests.inc()
