@@ -61,26 +61,24 @@ class ServerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=r,
         )
-        # time from a job's hand-over to the engine thread (``EngineWorker.submit``)
-        latency = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 10.0)
-        self.time_to_first_token = Histogram(
+
+        # seconds from a job's hand-over to the engine thread (``EngineWorker.submit``)
+        def latency(name: str, doc: str) -> Histogram:
+            buckets = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 10)
+            return Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.time_to_first_token = latency(
             "specpilot_time_to_first_token_seconds",
             "From a job's hand-over to the engine thread to its first committed token",
-            buckets=latency,
-            registry=r,
         )
-        self.time_to_first_text = Histogram(
+        self.time_to_first_text = latency(
             "specpilot_time_to_first_text_seconds",
             "From a job's hand-over to its first text sent (tokens that decode to no text, or "
             "hold a partial character or stop string, come later)",
-            buckets=latency,
-            registry=r,
         )
-        self.prefill_step_seconds = Histogram(
+        self.prefill_step_seconds = latency(
             "specpilot_prefill_step_seconds",
             "Scheduler steps that fed prompt tokens: the prefill forward and one decode step",
-            buckets=latency,
-            registry=r,
         )
         self.queue_depth = Gauge(
             "specpilot_queue_depth", "Requests waiting for the engine", registry=r
