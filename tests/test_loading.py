@@ -612,6 +612,21 @@ def write_tiny_tokenizer(root: Path) -> Path:
     return root
 
 
+def test_a_padded_bench_tokenizer_decodes_every_id_to_text(tmp_path: Path) -> None:
+    """bench/make_hf_dir.py pads a tokenizer to the model's vocabulary: the padding ids decode
+    to text, also where the server skips special tokens (a random model emits them most of the
+    time), and the real ids encode and decode as before."""
+    from specpilot.bench.hf_dir import write_tokenizer
+
+    write_tokenizer(write_tiny_tokenizer(tmp_path / "src"), tmp_path / "out", vocab_size=13)
+    tok = load_tokenizer(tmp_path / "out")
+    assert tok.encode("hello world") == [4, 5]
+    assert tok.decode([4, 10, 12], skip_special_tokens=True).split() == [
+        "hello", "<extra_0>", "<extra_2>"
+    ]  # fmt: skip
+    assert tok.decode([0, 4], skip_special_tokens=True) == "hello"  # a real special token
+
+
 def test_tokenizer_from_hf_dir(tmp_path: Path) -> None:
     tok = load_tokenizer(write_tiny_tokenizer(tmp_path / "tok"))
     assert isinstance(tok, TextTokenizer) and tok.name == "tok"

@@ -5,7 +5,10 @@ The weights are the model's own (e.g. seeded random ones at a real shape, ``synt
 written under HF names with q/k/v and gate/up split back out of the fused matrices (an exact
 copy). The tokenizer comes from a saved HF tokenizer folder (e.g. SmolLM2's, converted from its
 GGUF); when the model's vocabulary is larger, placeholder tokens ``<extra_i>`` fill it up so that
-every id the model can emit decodes.
+every id the model can emit decodes, to text as a real model's tokens do (plain added tokens, not
+special ones that a server skips: a random model emits them most of the time, and text that never
+comes would hold a streamed answer's first chunk back, making its time to first text a window
+late).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def write_tokenizer(src: Path, out: Path, vocab_size: int) -> None:
     tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
     missing = vocab_size - len(tok)
     if missing > 0:
-        tok.add_tokens([f"<extra_{i}>" for i in range(missing)], special_tokens=True)
+        tok.add_tokens([f"<extra_{i}>" for i in range(missing)], special_tokens=False)
     tok.save_pretrained(str(out))
 
 

@@ -35,11 +35,18 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specpilot.kernels import reference, triton_usable
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layer import DecoderLayer, FusedSteps
 from specpilot.models.layout import DenseLayout, Layout, PackedLayout
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""SDPA's backends on CUDA: not cuDNN, which builds an execution plan for every new shape; a
+prefill has a new shape with every prompt length, about 80 ms of an 8B prefill's 100 on the
+H200 (``bench/ttft_trace_gpu.py``). Graph capture runs the same backends as its eager warm-up
+(a plan built inside a capture would break it)."""
 
 if TYPE_CHECKING:
     from specpilot.config import ModelConfig
@@ -221,10 +228,13 @@ class Forward(Generic[NetT]):
             out = fn(q, k_cache, v_cache, lay)
             if out is not None:
                 return out
-        attn = F.scaled_dot_product_attention(
-            q, k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len], attn_mask=lay.mask
-        )  # [B, H_kv, G*W, D]
-        return lay.gather(attn)
+        k, v = k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len]
+        if q.is_cuda:
+            with sdpa_kernel(SDPA_BACKENDS):
+                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
+        return lay.gather(attn)  # attn: [B, H_kv, G*W, D]
 
     # ------------------------------------------------------------------ the layer body
     def layer(
