@@ -228,7 +228,7 @@ def e2e(dev: torch.device, kernel: dict[str, Any], tiny: bool) -> dict[str, Any]
 
     target = build_target("tiny-llama" if tiny else "llama3-8b", dev, torch.bfloat16, max_positions=2048)  # fmt: skip
     rng = random.Random(0)
-    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(64)]
+    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(8 if tiny else 64)]
     iters = 1 if tiny else 20
     stock = {w: _verify_engine(target, prompt, 16).time_forward(w, iters) for w in (1, 16)}
     stats = install(target, layers="all", max_m=64)

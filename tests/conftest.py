@@ -81,6 +81,15 @@ def run_interpreted(args: list[str], timeout: int = 240) -> str:
     return out.stdout
 
 
+def torch_small_ops(engine: Any) -> Any:
+    """``engine`` with its forward's RMSNorm, RoPE + K/V write and SiLU·mul on the torch
+    references (the stock path's ops), for interpreter runs that test another kernel (the head,
+    a weight format): interpreted, those small Triton kernels cost most of the run, and they
+    have tests of their own (tests/test_gpu_path.py)."""
+    engine.fwd._k = None  # the fused GEMVs a mechanism installed stay (``Forward.fused``)
+    return engine
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random HF model directory (vocabulary 10, seed 0), one per test module."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_interpreted, tiny_config, tiny_model
+from conftest import run_interpreted, tiny_config, tiny_model, torch_small_ops
 from specpilot.errors import SpecPilotError
 from specpilot.mechanisms import MECHANISMS
 
@@ -188,7 +188,8 @@ class ComposedSteps:
 
 def _group_engine(arch: str) -> None:
     """llama: AR (M = 2) and chain verify (M = 4) through the fused kernels; qwen2 (the qkv bias
-    rides on the fused norm GEMV): AR, then with W12 on qkv and gate_up (fused in W12's GEMV)."""
+    rides on the fused norm GEMV): AR, then with W12 on qkv and gate_up (fused in W12's GEMV).
+    RoPE and the norms the GEMVs do not take run on torch (``torch_small_ops``)."""
     from engine_cases import tokens
     from specpilot.drafters import NgramDrafter
     from specpilot.engine import Engine, generate
@@ -202,9 +203,9 @@ def _group_engine(arch: str) -> None:
     target.init_random(3, std=0.15)
     for layer in target.layers:
         layer.fused_steps = ComposedSteps(layer, MATRIX_SETS["all"], 4, cfg.rms_norm_eps)
-    composed = tokens(generate(Engine(target, fuse_residual=True), prompts, 6))
+    composed = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 6))
     fused = install(target, "all", max_m=4, block_n=64, block_k=64)
-    ar = tokens(generate(Engine(target, fuse_residual=True), prompts, 6))
+    ar = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 6))
     assert ar == composed, (arch, ar, composed)
     calls = sum(f.calls for f in fused)
     assert calls >= 5 * cfg.num_layers * 4, calls  # every AR step (M = 2) went through them
@@ -212,11 +213,11 @@ def _group_engine(arch: str) -> None:
     target(torch.tensor([prompts[1]]), target.allocate_cache(1, 32))  # M = 2, stock
     assert sum(f.calls for f in fused) == calls
     if arch == "llama":  # spec: one prompt, k = 3 -> verify rows M = 4, fused too
-        spec = tokens(generate(Engine(target, NgramDrafter(k=3)), prompts[:1], 6))
+        spec = tokens(generate(torch_small_ops(Engine(target, NgramDrafter(k=3))), prompts[:1], 6))
         assert spec == ar[:1] and sum(f.calls for f in fused) > calls, (spec, ar)
     else:  # W12 on qkv and gate_up: their norms fused into the W12 GEMV (M = 2: W12's GEMV)
         install_w12(target, layers="gate_up_qkv", max_m=4)
-        both = tokens(generate(Engine(target, fuse_residual=True), prompts, 3))
+        both = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 3))
         assert sum(f.calls for f in fused) - calls == 2 * cfg.num_layers * 4  # 2 AR steps
         assert sum(f.w12_calls for f in fused) == 2 * cfg.num_layers * 2
         assert both == [t[:3] for t in ar], (both, ar)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_interpreted
+from conftest import run_interpreted, torch_small_ops
 from specpilot.mechanisms.w12_format import (
     ESC_ROWS,
     GROUP,
@@ -506,8 +506,8 @@ def _group_mechanism() -> None:
         return fn0(x, b)
 
     layer.linear_fns["w_gate_up"] = counted
-    via_w12 = generate(Engine(model), [seq], 5)[0].tokens
-    via_stock = generate(Engine(stock), [seq], 5)[0].tokens
+    via_w12 = generate(torch_small_ops(Engine(model)), [seq], 5)[0].tokens
+    via_stock = generate(torch_small_ops(Engine(stock)), [seq], 5)[0].tokens
     assert calls["n"] >= 5 and via_w12 == via_stock, (calls, via_w12, via_stock)
     print("mechanism ok")
 
