@@ -4,24 +4,17 @@ SDPA + gather, and what does mechanism ``split-kv`` take off the 8B AR step and 
     PYTHONPATH=src python3 bench/decode_attn_gpu.py --out DIR                            # one H200, < 3 min
     TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/decode_attn_gpu.py --out DIR --tiny  # CPU smoke run
 
-0. ``checks`` — device copy bandwidth, the launch latency of a small kernel inside a graph (the
-   cost model's per-launch term), the SM count.
-1. ``correctness`` (first; every later number depends on it) — Llama-3-8B attention shapes
-   (8 KV heads, 4 queries per KV head, head dim 128), keys seen by the block's last row
-   L = 128..4096, block widths W = 1, 8, 16, batch 1 and a batch of 4 rows at different lengths,
-   the bucket rounded up to 128 as the engine's graphs do. Per case: max |error| of the kernel
-   (bf16) and of SDPA (bf16) against SDPA in fp32 on the same inputs; fp32 inputs against the
-   fp32 reference; K/V past each row's end poisoned with NaN (must never be read); two launches
-   bit-equal; one CUDA graph captured at a bucket and replayed after the lengths changed on the
-   device equals the reference at the new lengths.
-2. ``timing`` — per (L, W) at batch 1: CUDA graphs of R calls over R distinct K/V caches (>= 256
-   MB in rotation, so K/V come from HBM as in a real step), what the layer body runs either way:
-   ``DenseLayout.gather(SDPA(mask))`` (``.contiguous()``: the rows ``w_o`` reads) against
-   ``SplitKVAttention`` (the mechanism's callable) for a few knob settings. Interleaved rounds;
-   seconds per call: median and min-max; the cost model's prediction beside each.
-3. ``e2e`` — the llama3-8b shape (random bf16 weights): the engine's own verify step at W = 1 (the
-   AR step) and W = 8, mechanism off and on, interleaved rounds, at contexts 512 and 4096; the
-   prediction from the measured SDPA time beside each; AR tokens of both arms compared.
+0. ``checks``: copy bandwidth, the launch latency of a small kernel in a graph, the SM count.
+1. ``correctness`` (first; every later number depends on it): Llama-3-8B attention shapes, keys
+   L = 128..4096, block widths W = 1, 8, 16, batch 1 and 4 rows of different lengths, buckets of
+   128: the kernel (bf16, fp32) and SDPA (bf16) against fp32 SDPA; K/V past each row's end
+   poisoned with NaN; two launches bit-equal; a graph replayed after the lengths changed.
+2. ``timing``: per (L, W) at batch 1, CUDA graphs over K/V caches rotated past L2:
+   ``DenseLayout.gather(SDPA(mask))`` against ``SplitKVAttention`` at a few knob settings,
+   interleaved rounds (median, min-max), the cost model's prediction beside each.
+3. ``e2e``: the llama3-8b shape (random bf16 weights), the engine's verify step at W = 1 and 8,
+   mechanism off and on, interleaved, at contexts 512 and 4096, beside the prediction; AR tokens
+   of both arms compared.
 JSON to DIR/decode_attn_gpu.json (rewritten after each section); a short table is printed last.
 """
 
@@ -32,7 +25,6 @@ import os
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +32,7 @@ import torch.nn.functional as F
 
 from specpilot.bench.decode_attn import run_e2e, table
 from specpilot.bench.gpu_ceilings import copy_bandwidth
-from specpilot.bench.script import BenchScript
+from specpilot.bench.script import BenchScript, script_parser
 from specpilot.kernels.decode_attn_plan import DecodeAttnConfig
 from specpilot.kernels.reference import decode_attention_ref
 from specpilot.mechanisms.decode_attn import SplitKVAttention
@@ -71,14 +63,11 @@ VARIANTS_WIDE = ("auto", "bn32w4", "kps128", "kps256", "w8", "bn64w8", "bn64w8kp
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="split-KV decode attention on the GPU (issue 15)")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (interpreter)")
+    ap = script_parser(__doc__, 170.0, "tiny shapes on the CPU (interpreter)")
     ap.add_argument("--lengths", default="128,256,512,1024,2048,4096")
     ap.add_argument("--widths", default="1,8,16")
     ap.add_argument("--contexts", default="512,4096", help="e2e prompt lengths")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds (default by mode)")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="skip what would end later")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. timing,e2e")
     return ap.parse_args(argv)
 
@@ -283,23 +272,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("No CUDA device; use --tiny (with TRITON_INTERPRET=1) on the CPU.")
     b = Bench(args)
-
-    def section(name: str, fn: Callable[[], Any]) -> Any:
-        with torch.inference_mode():
-            return b.section(name, fn)
-
-    checks = section("checks", b.checks)
-    bw = checks.get("copy_bandwidth_Bps", 4.25e12)
-    launch_s = checks.get("launch_s", 2e-6)
-    sms = checks.get("num_sms", 132)
-    cor = section("correctness", b.correctness)
-    if not cor.get("all_ok") or not cor.get("graph_ok"):
-        print("correctness failed: timings follow but do not count", file=sys.stderr)
-    skip = set(args.skip.split(","))
-    if "timing" not in skip:
-        section("timing", lambda: b.timing(bw, launch_s, sms))
-    if "e2e" not in skip:
-        section("e2e", lambda: b.e2e(bw, launch_s, sms))
+    with torch.inference_mode():
+        checks = b.section("checks", b.checks)
+        bw = checks.get("copy_bandwidth_Bps", 4.25e12)
+        launch_s = checks.get("launch_s", 2e-6)
+        sms = checks.get("num_sms", 132)
+        cor = b.section("correctness", b.correctness)
+        if not cor.get("all_ok") or not cor.get("graph_ok"):
+            print("correctness failed: timings follow but do not count", file=sys.stderr)
+        skip = set(args.skip.split(","))
+        if "timing" not in skip:
+            b.section("timing", lambda: b.timing(bw, launch_s, sms))
+        if "e2e" not in skip:
+            b.section("e2e", lambda: b.e2e(bw, launch_s, sms))
     print(table(b.out))
     return b.out
 

@@ -4,25 +4,14 @@ is it beside the stock LM head inside CUDA graphs, and what does it do to AR and
     PYTHONPATH=src python3 bench/exact_head_gpu.py --out DIR            # one H200, < 3 minutes
     TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/exact_head_gpu.py --out DIR --tiny  # CPU
 
-1. ``checks`` — device copy bandwidth (the cost model's BW).
-2. ``correct`` — heads 128256 × 4096 (Llama-3-8B) and 151936 × 896 (Qwen2.5-0.5B), random bf16
-   weights; rows 1/2/4/8/16; random and peaked hidden rows (near a vocabulary row's direction,
-   like a confident LM). Per call: the fused head (``GraphArgmaxHead``) and its torch-epilogue
-   form; ``wrong`` counts calls that said ok with ids ≠ the stock argmax (must be 0); ``ok`` the
-   calls certified (the rest abstain: the engine redoes them with the stock head).
-3. ``micro`` — per head and rows: the stock head (``F.linear`` + ``argmax``, what the engine
-   runs), the fused graph head and the torch-epilogue graph head, each captured in a CUDA graph
-   on peaked rows; interleaved rounds of bursts; median seconds per call with min–max spread,
-   beside the cost model's prediction (``mechanisms/exact_argmax_cost.py``).
-4. ``e2e`` — the llama3-8b shape, random bf16 weights made peaked (``synthetic.make_peaked``), on
-   CUDA graphs: AR (16 steps per read-back) and a chain verify (n-gram drafter over a prompt that
-   repeats the target's own continuation), each without and with the head; interleaved rounds;
-   decode tok/s after the first commit, tokens must equal, the head's abstain rate (abstained
-   calls / calls) and spared rate (calls that did not abstain only because every row that
-   failed was an idle row or padding, outside the verify's live rows), and the predicted tok/s
-   (the measured stock rate with the predicted saving per verify). Then, budget permitting,
-   ``idle_slots``: chain and packed verify with the head over four slots and two requests (idle
-   rows; packed bucket padding), untimed: tokens equal AR, verifies redone, spared calls.
+1. ``checks``: device copy bandwidth (the cost model's BW).
+2. ``correct``: Llama-3-8B and Qwen2.5-0.5B heads, random and peaked rows (1-16): the fused head
+   (``GraphArgmaxHead``) and its torch epilogue never certify a wrong id (``wrong`` = 0).
+3. ``micro``: stock, fused and torch-epilogue heads in CUDA graphs, interleaved rounds, beside
+   the cost model (``mechanisms/exact_argmax_cost.py``).
+4. ``e2e``: a peaked random 8B target, AR and n-gram chain verify without and with the head,
+   interleaved: tok/s, tokens equal, abstain and spared rates, predicted tok/s; ``idle_slots``
+   (untimed): four slots, two requests, chain and packed: tokens equal AR.
 JSON to DIR/exact_head_gpu.json (rewritten after each section); a short table is printed last.
 """
 
@@ -31,7 +20,6 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,15 +27,21 @@ import torch.nn.functional as F
 
 from specpilot.bench.gpu_ceilings import copy_bandwidth
 from specpilot.bench.protocol import Sample, interleave
-from specpilot.bench.script import BenchScript
+from specpilot.bench.script import (
+    BenchScript,
+    decode_sample,
+    peaked_target,
+    script_parser,
+    spread_text,
+)
 from specpilot.drafters import NgramDrafter
-from specpilot.engine import Engine, Request, Scheduler, generate
+from specpilot.engine import Engine, Request, Scheduler
 from specpilot.engine.plans import PackedPlan
 from specpilot.mechanisms.exact_argmax_cost import ASSUMPTIONS, predict
 from specpilot.mechanisms.exact_argmax_graph import GraphArgmaxHead
 from specpilot.models.transformer import Transformer
-from specpilot.synthetic import build_target, make_peaked
-from specpilot.timing import spread, time_burst
+from specpilot.synthetic import head_only_model
+from specpilot.timing import interleaved_rounds, spread
 
 FUSED_KERNELS = 8
 """Launches of the fused certificate (row terms, INT8 GEMM, bounds, amax, topk (1–2), refine,
@@ -56,51 +50,30 @@ FUSED_PASSES = 2
 """``[R, V]`` fp32 passes of the fused epilogue: the GEMM writes the cheap logits, one kernel
 reads them."""
 TORCH_KERNELS = 140
+HEADS = {"llama3-8b": (128256, 4096), "qwen2.5-0.5b": (151936, 896)}
+TINY_HEADS = {"tiny-a": (3000, 64), "tiny-b": (5000, 32)}
 """The same for the torch epilogue (counted on a CPU trace of the ops)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run at tiny shapes")
+    p = script_parser(__doc__, 170.0, "CPU smoke run at tiny shapes")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--candidates", type=int, default=8, help="blocks refined per row (C)")
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--trials", type=int, default=6, help="calls per (head, rows, kind)")
     p.add_argument("--new-tokens", type=int, default=0, help="e2e tokens (default 160)")
-    p.add_argument("--budget-s", type=float, default=170.0)
     return p.parse_args(argv)
 
 
 class Bench(BenchScript):
     def __init__(self, args: argparse.Namespace) -> None:
-        cuda = torch.cuda.is_available() and not args.tiny
-        super().__init__(
-            torch.device("cuda" if cuda else "cpu"), args.out, "exact_head_gpu.json",
-            args.budget_s, script="bench/exact_head_gpu.py", tiny=args.tiny,
-            candidates=args.candidates, block=args.block, assumptions=ASSUMPTIONS,
-        )  # fmt: skip
+        dev = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+        super().__init__(dev, args.out, "exact_head_gpu.json", args.budget_s, args=vars(args))
+        self.out["assumptions"] = ASSUMPTIONS
         self.args, self.tiny = args, args.tiny
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.rows = [int(r) for r in args.rows.split(",")] if not self.tiny else [1, 4]
-        self.heads = {"llama3-8b": (128256, 4096), "qwen2.5-0.5b": (151936, 896)}
-        if self.tiny:
-            self.heads = {"tiny-a": (3000, 64), "tiny-b": (5000, 32)}
-
-    def head_model(self, vocab: int, hidden: int, seed: int) -> Transformer:
-        """A model used only for its LM head: a one-layer config of that head's shape."""
-        from specpilot.config import ModelConfig
-
-        cfg = ModelConfig(
-            arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-            num_layers=1, num_heads=max(1, hidden // 128), num_kv_heads=1,
-            head_dim=min(128, hidden), max_position_embeddings=64,
-        )  # fmt: skip
-        model = Transformer(cfg, dtype=self.dtype, device=self.dev, max_positions=64)
-        gen = torch.Generator(device=self.dev).manual_seed(seed)
-        with torch.no_grad():
-            model.lm_head.normal_(0.0, 0.02, generator=gen)
-        return model
+        self.heads = TINY_HEADS if self.tiny else HEADS
 
     def hidden(self, model: Transformer, rows: int, kind: str, seed: int) -> torch.Tensor:
         """``[1, rows, H]`` final-normed-like rows: random, or near a vocabulary row."""
@@ -116,11 +89,9 @@ class Bench(BenchScript):
 
     def heads_of(self, model: Transformer) -> dict[str, GraphArgmaxHead]:
         c, b = self.args.candidates, self.args.block
-        out = {"fused": GraphArgmaxHead(model, block=b, candidates=c)}
-        out["torch-epilogue"] = GraphArgmaxHead(model, block=b, candidates=c, fused=False)
-        return out
+        fused = {"fused": None, "torch-epilogue": False}  # None: fused where Triton runs
+        return {h: GraphArgmaxHead(model, block=b, candidates=c, fused=f) for h, f in fused.items()}
 
-    # ------------------------------------------------------------------ sections
     def checks(self) -> dict[str, Any]:
         if not self.cuda:
             return {"copy_bandwidth_Bps": 4.3e12, "note": "CPU: the H200's measured value"}
@@ -129,7 +100,7 @@ class Bench(BenchScript):
     def correct(self) -> dict[str, Any]:
         res: dict[str, Any] = {}
         for name, (vocab, hidden) in self.heads.items():
-            model = self.head_model(vocab, hidden, 0)
+            model = head_only_model(vocab, hidden, self.dev, self.dtype, 0)
             heads = self.heads_of(model)
             for r in self.rows:
                 for kind in ("random", "peaked"):
@@ -154,7 +125,7 @@ class Bench(BenchScript):
         res: dict[str, Any] = {}
         rounds = 2 if self.tiny else 5
         for name, (vocab, hidden) in self.heads.items():
-            model = self.head_model(vocab, hidden, 1)
+            model = head_only_model(vocab, hidden, self.dev, self.dtype, 1)
             heads, w = self.heads_of(model), model.lm_head
             for r in self.rows:
                 if self.left() < (0 if self.tiny else 70):  # keep time for e2e
@@ -166,11 +137,7 @@ class Bench(BenchScript):
                 }
                 for h, head in heads.items():
                     fns[h] = self.graph(lambda head=head, x=x: head.abstaining(x))
-                times: dict[str, list[float]] = {n: [] for n in fns}
-                names = list(fns)
-                for k in range(rounds):
-                    for n in names[k % len(names) :] + names[: k % len(names)]:
-                        times[n].append(time_burst(fns[n], self.dev, 20))
+                times = interleaved_rounds(fns, self.dev, rounds, iters=20)
                 row: dict[str, Any] = {n: spread(t) for n, t in times.items()}
                 for h, kern, passes in (("fused", FUSED_KERNELS, FUSED_PASSES),
                                         ("torch-epilogue", TORCH_KERNELS, 8)):  # fmt: skip
@@ -186,9 +153,8 @@ class Bench(BenchScript):
         return res
 
     def e2e(self, bw: float) -> dict[str, Any]:
-        shape = "tiny-llama" if self.tiny else "llama3-8b"
         new = self.args.new_tokens or (12 if self.tiny else 160)
-        model = make_peaked(build_target(shape, self.dev, self.dtype, seed=0, max_positions=2048))
+        model, shape = peaked_target(self.tiny, self.dev, 2048)
         vocab, hidden = model.cfg.vocab_size, model.cfg.hidden_size
         ramp = [(7 + i) % vocab for i in range(new + 64)]  # the peaked target's own continuation
         prompt = ramp + ramp[:16]  # an n-gram drafter finds every next token in the prompt
@@ -205,32 +171,21 @@ class Bench(BenchScript):
         def run(label: str) -> Sample:
             engine, plug = engines[label]
             model.argmax_head = plug
-            first: list[float] = []
             c0 = engine.times.cycles
-
-            def mark(_i: int, toks: list[int]) -> None:
-                if not first:
-                    first.extend((time.perf_counter(), len(toks)))
-
             try:
-                res = generate(engine, [prompt], new, on_commit=mark)[0]
-                if self.cuda:
-                    torch.cuda.synchronize(self.dev)
-                end = time.perf_counter()
+                sample = decode_sample(engine, prompt, new)
             finally:
                 model.argmax_head = None
             cycles[label] = engine.times.cycles - c0
-            return Sample(len(res.tokens) - int(first[1]), end - first[0], res.tokens)
+            return sample
 
         arms = {label: (lambda label=label: run(label)) for label in engines}
-        deadline = time.perf_counter() + max(
-            self.left() - (5 if self.tiny else 35), 10
-        )  # idle_slots
-        m = interleave(arms, rounds=2 if self.tiny else 4, warmup=1, deadline=deadline)
+        until = time.perf_counter() + max(self.left() - (5 if self.tiny else 35), 10)  # idle_slots
+        m = interleave(arms, rounds=2 if self.tiny else 4, warmup=1, deadline=until)
         stats = head.stats()
         abstain = stats["abstained_calls"] / max(stats["calls"], 1)
         out: dict[str, Any] = {
-            "shape": f"{shape} (random {self.dtype} weights, make_peaked)", "new_tokens": new,
+            "shape": shape, "new_tokens": new,
             "tokens_equal": m.last("ar").payload == m.last("ar+head").payload
             == m.last("chain").payload == m.last("chain+head").payload,
             "head_stats": stats, "abstain_rate": abstain,
@@ -257,10 +212,8 @@ class Bench(BenchScript):
             out["idle_slots"] = self.idle_slots(model, head, prompt, new, k, m.last("ar").payload)
         return out
 
-    def idle_slots(
-        self, model: Transformer, head: GraphArgmaxHead, prompt: list[int], new: int, k: int,
-        want: list[int],
-    ) -> dict[str, Any]:  # fmt: skip
+    def idle_slots(self, model: Transformer, head: GraphArgmaxHead, prompt: list[int], new: int,
+                   k: int, want: list[int]) -> dict[str, Any]:  # fmt: skip
         """Chain and packed verify with the head over 4 slots and 2 requests (the same prompt,
         ``new`` and ``new // 2`` tokens): idle rows all along, packed padding; untimed."""
         res: dict[str, Any] = {}
@@ -309,17 +262,15 @@ def table(out: dict[str, Any]) -> str:
             if not isinstance(row, dict):
                 lines.append(f"  {key:24s} {row}")
                 continue
-            cells = []
-            for n in ("stock", "fused", "torch-epilogue"):
-                v = row[n]
-                cells.append(f"{n} {v['median'] * 1e6:7.1f} [{v['lo'] * 1e6:.1f}-{v['hi'] * 1e6:.1f}]"
-                             f" p{v['predicted_s'] * 1e6:.0f}")  # fmt: skip
+            cells = [
+                f"{n} {spread_text(row[n], '.1f', 1e6)} p{row[n]['predicted_s'] * 1e6:.0f}"
+                for n in ("stock", "fused", "torch-epilogue")
+            ]
             lines.append(f"  {key:24s} " + " | ".join(cells))
     e2e = sec.get("e2e", {})
     if isinstance(e2e, dict) and "arms" in e2e:
-        lines.append(f"e2e {e2e['shape']}: tokens equal {e2e['tokens_equal']}, "
-                     f"abstain rate {e2e['abstain_rate']:.3f}, "
-                     f"spared rate {e2e['spared_rate']:.3f}")  # fmt: skip
+        rates = f"abstain rate {e2e['abstain_rate']:.3f}, spared rate {e2e['spared_rate']:.3f}"
+        lines.append(f"e2e {e2e['shape']}: tokens equal {e2e['tokens_equal']}, {rates}")
         for label, a in e2e["arms"].items():
             pred = f" (predicted {a['predicted_tok_s']:.1f})" if "predicted_tok_s" in a else ""
             lines.append(f"  {label:12s} {a['tok_s']:8.1f} tok/s{pred}")
@@ -336,18 +287,11 @@ def table(out: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     b = Bench(args)
-
-    def section(name: str, fn: Callable[[], Any]) -> Any:
-        with torch.inference_mode():
-            res = b.section(name, fn)
-        if b.cuda:
-            torch.cuda.empty_cache()
-        return res
-
-    bw = section("checks", b.checks).get("copy_bandwidth_Bps", 4.3e12)
-    section("correct", b.correct)
-    section("micro", lambda: b.micro(bw))
-    section("e2e", lambda: b.e2e(bw))
+    with torch.inference_mode():
+        bw = b.section("checks", b.checks).get("copy_bandwidth_Bps", 4.3e12)
+        b.section("correct", b.correct)
+        b.section("micro", lambda: b.micro(bw))
+        b.section("e2e", lambda: b.e2e(bw))
     print(table(b.out))
     return b.out
 

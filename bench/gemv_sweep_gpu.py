@@ -32,18 +32,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
-import statistics
-import sys
 import time
 import zlib
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
-from datetime import UTC, datetime
 from functools import partial
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,21 +46,16 @@ import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fused_gemv_gpu import MATRICES, NORMED, TINY_MATRICES, call, make_inputs
-
-from specpilot.bench.kernel_bench import error_ratio, kernel_bench_setup, time_calls
-from specpilot.bench.records import git_rev
+from specpilot.bench import kernel_bench as kb
+from specpilot.bench import layer_gemv
 from specpilot.bench.script import guarded
-from specpilot.kernels import reference
 from specpilot.kernels.gemm_common import counter_buffer
 from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, fits_registers, w12_gemv
 from specpilot.mechanisms.w12_format import decode, encode
 
 KERNELS = ("gemv", "fused", "w12", "w12f")
 SPLITS = (0, 1, 2, 4, 8)
-ROTATE_BYTES = 400 << 20
 
 
 def grid(tiny: bool) -> list[GemvConfig]:
@@ -95,24 +85,17 @@ class Matrix:
 
     def __init__(self, name: str, n: int, k: int, dev: torch.device, copies: int) -> None:
         self.name, self.n, self.k = name, n, k
-        gen = torch.Generator(device=dev)
-        self.w: list[torch.Tensor] = []  # [N, K] bf16 each
-        self.t: list[Any] = []  # W12Tensor each
-        self.c: list[torch.Tensor] = []
-        for i in range(copies):
-            gen.manual_seed(1000 * i + n + k)
-            w = (0.02 * torch.randn(n, k, generator=gen, device=dev)).to(torch.bfloat16)
-            t = encode(w, "v3")
+        self.w = kb.seeded_weights(n, k, copies, dev)  # [N, K] bf16 each
+        self.t: list[Any] = [encode(w, "v3") for w in self.w]  # W12Tensor each
+        self.c = [counter_buffer(n, dev) for _ in self.w]
+        for w, t in zip(self.w, self.t, strict=True):
             if not torch.equal(decode(t).view(torch.int16), w.view(torch.int16)):
                 raise RuntimeError(f"W12 round trip is not bit-exact at {n}x{k}")
-            self.w.append(w)
-            self.t.append(t)
-            self.c.append(counter_buffer(n, dev))
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
 
     def inp(self, m: int) -> dict[str, torch.Tensor]:
         if m not in self.inputs:
-            d = make_inputs(self.name, self.n, self.k, m, self.w[0].device)
+            d = layer_gemv.make_inputs(self.name, self.n, self.k, m, self.w[0].device)
             d["plain"] = d["x"][:, : self.k].contiguous()  # [M, K]: what the lone GEMV reads
             self.inputs[m] = d
         return self.inputs[m]
@@ -124,7 +107,7 @@ class Matrix:
         out = []
         for w, t, c in zip(self.w, self.t, self.c, strict=True):
             if kernel == "stock":
-                out.append(call("cublas", self.name, w, c, inp, None))
+                out.append(layer_gemv.call("cublas", self.name, w, c, inp, None))
             elif kernel == "cublas":
                 out.append(lambda w=w: F.linear(x, w))
             elif kernel == "gemv":
@@ -132,7 +115,9 @@ class Matrix:
             elif kernel == "w12":
                 out.append(lambda t=t, c=c: w12_gemv(x, t, c, cfg=cfg))
             else:  # fused launches on bf16 or W12 weights (fused_gemv accepts either)
-                out.append(call("fused", self.name, w if kernel == "fused" else t, c, inp, cfg))
+                out.append(
+                    layer_gemv.call("fused", self.name, w if kernel == "fused" else t, c, inp, cfg)
+                )
         return out
 
     def stream_bytes(self, kernel: str, m: int) -> int:
@@ -147,20 +132,17 @@ class Matrix:
         y = self.calls(kernel, m, cfg)[0]()
         a, add = inp["plain"], None
         if kernel in ("fused", "w12f"):
-            if self.name in NORMED:
-                a = reference.rms_norm_ref(inp["x"], inp["nw"], 1e-5)
-            elif self.name == "w_down":
-                a = reference.silu_mul_ref(inp["x"])
-            if self.name not in NORMED:
+            a = layer_gemv.prologue_ref(self.name, inp)
+            if self.name not in layer_gemv.NORMED:
                 add = inp["res"]
-        return error_ratio(y, a, self.w[0], add)
+        return kb.error_ratio(y, a, self.w[0], add)
 
 
 def _compile_tasks(tasks: list[tuple[str, str, int, str]], tiny: bool) -> list[str]:
     """Worker: run each (kernel, matrix, M, tiling) once so that Triton compiles it to disk."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mats: dict[str, Matrix] = {}
-    shapes = TINY_MATRICES if tiny else MATRICES
+    shapes = layer_gemv.TINY_MATRICES if tiny else layer_gemv.MATRICES
     errors = []
     for kernel, name, m, k in tasks:
         if name not in mats:
@@ -201,7 +183,7 @@ def sweep(mats: dict[str, Matrix], plan: dict[tuple[str, str, int], list[str]],
             if res and time.perf_counter() > deadline:
                 break
             try:
-                res[k] = 1e6 * time_calls(mats[name].calls(kernel, m, from_key(k)), dev, reps)
+                res[k] = 1e6 * kb.time_calls(mats[name].calls(kernel, m, from_key(k)), dev, reps)
             except Exception:
                 continue
     return out
@@ -212,7 +194,7 @@ def top(res: dict[str, float], n: int) -> list[str]:
 
 
 def run(args: Any, dev: torch.device, copy_bw: float, started: float) -> dict[str, Any]:
-    shapes = TINY_MATRICES if args.tiny else MATRICES
+    shapes = layer_gemv.TINY_MATRICES if args.tiny else layer_gemv.MATRICES
     ms = (1, 2) if args.tiny else (1, 2, 4)
     deadline = started + args.budget_s
     g = [key(c) for c in grid(args.tiny)]
@@ -220,10 +202,10 @@ def run(args: Any, dev: torch.device, copy_bw: float, started: float) -> dict[st
     res: dict[str, Any] = {"grid": len(g)}
     res["compile_m1"] = precompile([(kn, nm, m, k) for (kn, nm, m), ks in plan1.items() for k in ks], args.workers, args.tiny)  # fmt: skip
 
-    def copies(n: int, k: int) -> int:
-        return max(2, min(16, math.ceil(ROTATE_BYTES / (2 * n * k)))) if dev.type == "cuda" else 1
-
-    mats = {name: Matrix(name, n, k, dev, copies(n, k)) for name, (n, k) in shapes.items()}
+    mats = {
+        name: Matrix(name, n, k, dev, kb.rotated_copies(n, k, dev))
+        for name, (n, k) in shapes.items()
+    }
     swept = sweep(mats, plan1, dev, args.reps, deadline)
     plan2: dict[tuple[str, str, int], list[str]] = {}
     for name in shapes:
@@ -240,15 +222,14 @@ def run(args: Any, dev: torch.device, copy_bw: float, started: float) -> dict[st
             best = {kn: top(swept.get((kn, name, m), {}), 1) for kn in KERNELS}
             contenders: dict[str, GemvConfig | None] = {"stock": None, "cublas": None}
             contenders |= {kn: from_key(b[0]) for kn, b in best.items() if b}
-            ts: dict[str, list[float]] = {v: [] for v in contenders}
-            for _ in range(args.rounds):  # interleaved: every contender once per round
-                for v, cfg in contenders.items():
-                    ts[v].append(time_calls(mat.calls(v, m, cfg), dev, args.reps))
+
+            def calls(v: str, cfg: GemvConfig | None, mat: Matrix = mat, m: int = m) -> list[Any]:
+                return mat.calls(v, m, cfg)
+
+            ts = kb.best_rounds(calls, contenders, dev, args.rounds, args.reps)
             row: dict[str, Any] = {}
             for v, cfg in contenders.items():
-                med = statistics.median(ts[v])
-                row[v] = {"us": 1e6 * med, "us_min": 1e6 * min(ts[v]), "us_max": 1e6 * max(ts[v]),
-                          "roofline_frac": mat.stream_bytes(v, m) / med / copy_bw}  # fmt: skip
+                row[v] = kb.us_stats(ts[v], mat.stream_bytes(v, m), copy_bw)
                 if cfg is not None:
                     err = guarded(partial(mat.check, v, m, cfg))
                     row[v] |= {
@@ -267,7 +248,7 @@ def summarize(rows: dict[str, Any], names: list[str], ms: tuple[int, ...]) -> di
     out: dict[str, Any] = {}
     for m in ms:
         r = [rows[f"{n}/{m}"] for n in names]
-        tot = {v: sum(x[v]["us"] for x in r) for v in r[0] if all(v in x for x in r)}
+        tot = kb.layer_totals(r, r[0])
         out[str(m)] = {"layer_us": tot, "vs_stock": {v: tot["stock"] / t for v, t in tot.items()},
                        "tilings": {v: {n: rows[f"{n}/{m}"][v].get("config") for n in names} for v in KERNELS if v in tot}}  # fmt: skip
     return out
@@ -295,18 +276,10 @@ def table(res: dict[str, Any]) -> str:
 
 def main() -> None:
     started = time.perf_counter()
-    args, dev, copy_bw = kernel_bench_setup(__doc__, 420.0)
+    args, dev, copy_bw = kb.kernel_bench_setup(__doc__, 420.0)
     args.workers = int(os.environ.get("SWEEP_WORKERS", "14"))
     args.top = int(os.environ.get("SWEEP_TOP", "6"))
-    import triton
-
-    res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
-        "commit": git_rev(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "triton": triton.__version__, "copy_TBps": copy_bw / 1e12,
-        "notes": "seeded N(0, 0.02) bf16 weights; CUDA graphs, weight copies rotated past L2; "
-        "roofline = (weight + activation bytes) / time / copy bandwidth (read + write)",
-    }  # fmt: skip
+    res = kb.kernel_header(dev, copy_bw)
     res |= guarded(lambda: run(args, dev, copy_bw, started), 3000, echo=True)
     res["wall_s"] = time.perf_counter() - started
     (args.out / "gemv_sweep_gpu.json").write_text(json.dumps(res, indent=1))

@@ -4,21 +4,16 @@ small phase speed up its GEMV, and does mechanism ``l2-prefetch`` speed up AR de
     PYTHONPATH=src python3 bench/l2_prefetch_gpu.py --out DIR          # one H200, < 3 minutes
     PYTHONPATH=src python3 bench/l2_prefetch_gpu.py --out DIR --tiny   # CPU smoke run (no-op)
 
-0. ``checks`` — the PTX of each instruction holds it (``prefetch.global.L2`` /
-   ``cp.async.bulk.prefetch.L2``); device copy bandwidth; the time of the smallest prefetch launch
-   in a graph (the cost model's launch time).
-1. ``efficacy`` — prefetch X MiB of a cold matrix, sleep 50 µs, read those X MiB (a GEMV over the
-   head rows): beside the cold read and an L2-warm read, so "served from L2" is visible directly.
-2. ``micro`` — per pair (idle phase → matrix, Llama-3-8B shapes): a CUDA graph of R segments
-   ``[idle kernels → GEMV(W_c)]`` over R weight copies (≥ 320 MB in rotation, so nothing stays in
-   L2 between replays); variants: no prefetch, and X MiB of W_c prefetched at the idle phase on a
-   side or the same stream, bulk or line, through the mechanism's own hooks (``PhasePrefetch``).
-   Every variant's outputs must equal the no-prefetch outputs bit for bit. Interleaved rounds;
-   per segment: median and spread (min-max over rounds), beside the cost model's prediction from
-   the measured idle window, bandwidth and launch time.
-3. ``e2e`` — AR decode of the llama3-8b shape (random bf16 weights) through ``build_engine``
-   with ``l2-prefetch`` off and on (the best micro variant, then neighbours), interleaved rounds
-   (``bench/protocol.interleave``), decode tok/s after the first commit; tokens must equal.
+0. ``checks``: the PTX holds each instruction; copy bandwidth; a prefetch launch in a graph.
+1. ``efficacy``: prefetch X MiB of a cold matrix, sleep 50 µs, read them (a GEMV over the head
+   rows), beside the cold and an L2-warm read: the fraction served from L2.
+2. ``micro``: per (idle phase -> matrix) pair of Llama-3-8B, a CUDA graph of segments ``[idle
+   kernels -> GEMV]`` over weight copies rotated past L2; no prefetch, and X MiB prefetched at
+   the idle phase (side or same stream, bulk or line) through the mechanism's ``PhasePrefetch``.
+   Outputs equal bit for bit; interleaved rounds (median, spread) beside the cost model.
+3. ``e2e``: AR decode of the llama3-8b shape (random bf16 weights) through ``build_engine`` with
+   ``l2-prefetch`` off and on (the best micro variant, then neighbours), interleaved rounds,
+   decode tok/s after the first commit; tokens must equal.
 JSON to DIR/l2_prefetch_gpu.json (rewritten after each section); a short table is printed last.
 """
 
@@ -27,16 +22,14 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specpilot.bench.gpu_ceilings import copy_bandwidth
-from specpilot.bench.l2_prefetch import table
-from specpilot.bench.script import BenchScript
+from specpilot.bench.l2_prefetch import pick_best, table, variants
+from specpilot.bench.script import BenchScript, script_parser
 from specpilot.kernels import reference
 from specpilot.kernels.l2_prefetch import PrefetchSpec, launch_mode, prefetch_l2
 from specpilot.mechanisms.l2_prefetch import L2Prefetch, MiB, PhasePrefetch
@@ -50,58 +43,13 @@ PAIRS = {"attention->o": ("attention", 4096, 4096), "norm->gate_up": ("norm", 28
 TINY_PAIRS = {"attention->o": ("attention", 128, 64), "norm->gate_up": ("norm", 256, 64)}
 
 
-@dataclass(frozen=True, slots=True)
-class Variant:
-    nbytes: int  # 0: no prefetch
-    stream: str = "side"
-    spec: PrefetchSpec = field(default_factory=PrefetchSpec)
-
-    def knobs(self) -> dict[str, Any] | None:
-        """The mechanism's knobs for this variant (None: not expressible, e.g. another chunk;
-        the tiny sizes of ``--tiny`` map to 1 MiB)."""
-        if not self.nbytes or self.spec.chunk:
-            return None
-        return {
-            "phases": "all",
-            "mb": max(1, round(self.nbytes / MiB)),
-            "stream": self.stream,
-            "instruction": self.spec.instruction,
-            "programs": self.spec.programs,
-        }
-
-    @property
-    def name(self) -> str:
-        if not self.nbytes:
-            return "none"
-        s = self.spec
-        chunk = f"/{s.chunk_bytes >> 10}K" if s.instruction == "bulk" else ""
-        return f"{self.nbytes / MiB:g}M {self.stream} {s.instruction}{chunk} p{s.programs}"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="L2 prefetch on the GPU (issue 15 item 2)")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (smoke test)")
+    ap = script_parser(__doc__, 165.0, "tiny shapes on the CPU (smoke test)")
     ap.add_argument("--mib", default="2,4,8,16,32", help="prefetch sizes of the micro grid")
     ap.add_argument("--rounds", type=int, default=0, help="timed rounds (default by mode)")
     ap.add_argument("--contexts", default="512,4096", help="e2e prompt lengths")
     ap.add_argument("--new-tokens", type=int, default=0, help="e2e tokens per run")
-    ap.add_argument("--budget-s", type=float, default=165.0, help="skip what would end later")
     return ap.parse_args(argv)
-
-
-def variants(tiny: bool, mibs: list[float]) -> list[Variant]:
-    unit = 1024 if tiny else MiB
-    out = [Variant(0)]
-    for x in mibs:
-        for stream in ("side", "same"):
-            for instr in ("bulk", "line"):
-                out.append(Variant(int(x * unit), stream, PrefetchSpec(instr, 8)))
-    mid = int(16 * unit)
-    out += [Variant(mid, "side", PrefetchSpec("bulk", p)) for p in (2, 32)]
-    out += [Variant(mid, "side", PrefetchSpec("line", 32))]
-    out += [Variant(mid, "side", PrefetchSpec("bulk", 8, chunk=c)) for c in (4096, 65536)]
-    return out
 
 
 class Bench(BenchScript):
@@ -207,24 +155,18 @@ class Bench(BenchScript):
         """The small phase: an RMSNorm over one row, or (attention) that plus masked SDPA over
         a 512-token cache (the engine's two attention kernels: RoPE/K-V write, then SDPA)."""
         h, nw = self.rand(1, k, seed=5), 1.0 + self.rand(k, seed=6)
+        rms_norm = reference.rms_norm_ref
         if self.cuda:
-            from specpilot.kernels import decode_triton
+            from specpilot.kernels.decode_triton import rms_norm
 
-            def norm() -> None:
-                decode_triton.rms_norm(h, nw, 1e-5)
-        else:
-
-            def norm() -> None:
-                reference.rms_norm_ref(h, nw, 1e-5)
+        def norm() -> None:
+            rms_norm(h, nw, 1e-5)
 
         if kind == "norm":
             return norm
         kv, d, g, ctx = (2, 16, 2, 64) if self.tiny else (8, 128, 4, 512)
-        q, kc, vc = (
-            self.rand(1, kv, g, d, seed=7),
-            self.rand(1, kv, ctx, d, seed=8),
-            self.rand(1, kv, ctx, d, seed=9),
-        )
+        q = self.rand(1, kv, g, d, seed=7)
+        kc, vc = (self.rand(1, kv, ctx, d, seed=seed) for seed in (8, 9))
         mask = torch.zeros(1, 1, g, ctx, device=self.dev, dtype=self.dtype)
 
         def attention() -> None:
@@ -312,23 +254,6 @@ class Bench(BenchScript):
         return run_e2e(
             self.dev, best.get("knobs"), contexts, new, rounds, deadline, bw, launch_s, windows
         )
-
-
-def pick_best(micro: dict[str, Any], tiny: bool, mibs: list[float]) -> dict[str, Any]:
-    """Of the variants the mechanism's knobs can express, the one with the largest median saving
-    summed over the pairs, each weighted by how often a layer has it (attention → o once; a norm
-    before a matrix three times: qkv, gate_up, and down after SiLU·mul)."""
-    knobs = {v.name: v.knobs() for v in variants(tiny, mibs)}
-    total: dict[str, float] = {}
-    for pair, res in micro.items():
-        if not isinstance(res, dict) or "variants" not in res:
-            continue
-        weight = 1.0 if pair.startswith("attention") else 1.5
-        for name, row in res["variants"].items():
-            if knobs.get(name) is not None:
-                total[name] = total.get(name, 0.0) + weight * row["saved_s"]["median"]
-    name = max(total, key=lambda n: total[n]) if total else None
-    return {"name": name, "knobs": knobs.get(name) if name else None, "scores": total}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

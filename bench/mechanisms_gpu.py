@@ -34,6 +34,7 @@ from specpilot.bench.records import git_rev
 from specpilot.kernels import triton_usable
 from specpilot.mechanisms.exact_argmax import ExactArgmaxHead
 from specpilot.models.transformer import Transformer
+from specpilot.synthetic import head_only_model
 
 HBM_BYTES_PER_S = 4.25e12  # measured H200 copy bandwidth (DESIGN.md)
 
@@ -63,28 +64,6 @@ def median_time(fn: Any, dev: torch.device, iters: int, warmup: int = 2) -> floa
         sync(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def head_only_model(vocab: int, hidden: int, dev: torch.device, dtype: torch.dtype) -> Transformer:
-    """A one-layer model whose LM head is seeded N(0, 0.02) (only the head is used)."""
-    from specpilot.config import ModelConfig
-
-    cfg = ModelConfig(
-        arch="llama",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden,
-        num_layers=1,
-        num_heads=max(1, hidden // 128),
-        num_kv_heads=max(1, hidden // 128),
-        head_dim=min(128, hidden),
-        max_position_embeddings=64,
-    )
-    model = Transformer(cfg, dtype=dtype, device=dev, max_positions=64)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        model.lm_head.normal_(0.0, 0.02, generator=gen)
-    return model
 
 
 def hidden_rows(

@@ -5,19 +5,14 @@
     PYTHONPATH=src python3 bench/tune_targets.py --setting both --tiny --out DIR   # CI path, CPU
 
 Per setting, on a search space small enough to grid exhaustively (every knob categorical):
-1. **Grid**: every distinct config, each measured once, in a seeded shuffled order (so machine drift
-   does not line up with a knob), every one checked lossless (CPU fp32: tokens equal to AR's; GPU
-   bf16: token forcing under the stock target).
-2. **Loop**: ``TuneLoop`` on the same directions, with a wall-clock budget of ``--loop-fraction``
-   (default 0.2) of the grid's wall time. Its best config is looked up in the grid, so both bests
-   are on one ruler: reported as loop best / grid best (target >= 0.95) and loop seconds / grid
-   seconds (target <= 0.20), seconds being the sum of per-trial cost seconds (CPU: process clock
-   of one torch thread, robust to other load; GPU: wall seconds holding the device).
-3. **Warm start**: a second deployment (CPU: the mt-bench prompts instead of copy-heavy; GPU: a
-   lower simulated acceptance profile), tuned cold (empty memory) and warm (memory holding the
-   first deployment's validated result). Time to reach its best: cost seconds until the first
-   trial within 2% of the better of the two runs' bests (``--reach``), and each run's time to
-   its own final best. Target: warm <= half of cold.
+1. **Grid**: every distinct config, measured once in a seeded shuffled order, every one checked
+   lossless (CPU fp32: tokens equal to AR's; GPU bf16: token forcing under the stock target).
+2. **Loop**: ``TuneLoop`` on the same directions within ``--loop-fraction`` of the grid's wall
+   time; its best looked up in the grid: loop best / grid best (target >= 0.95) and loop / grid
+   cost seconds (target <= 0.20; CPU: process clock of one thread, GPU: wall seconds).
+3. **Warm start**: a second deployment (CPU: mt-bench instead of copy-heavy; GPU: a lower
+   simulated acceptance profile) tuned cold and warm (memory holding the first's result): cost
+   seconds to the first trial within ``--reach`` of the better best. Target: warm <= cold / 2.
 
 Knob proposals come from Optuna's TPE when installed, else from the local-search proposer
 (``specpilot.tune.local_search``; the GPU machine has no Optuna): the JSON says which.
@@ -31,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import platform
 import random
 import time
@@ -40,6 +34,7 @@ from typing import Any
 
 import torch
 
+from specpilot.bench.script import write_json
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.mechanisms import Knob
 from specpilot.memory import Fingerprint
@@ -258,19 +253,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--tiny", action="store_true", help="tiny fp32 shapes on the CPU (CI path)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per workload (CPU setting)")
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument(
-        "--loop-fraction",
-        type=float,
-        default=0.2,
-        help="loop wall budget as a fraction of the grid's (default: %(default)s)",
-    )
+    ap.add_argument("--loop-fraction", type=float, default=0.2, help="loop budget / grid time")
     ap.add_argument("--trials", type=int, default=3, help="candidates per direction and round")
-    ap.add_argument(
-        "--patience",
-        type=int,
-        default=2,
-        help="rounds a direction may go without a winner (default: %(default)s)",
-    )
+    ap.add_argument("--patience", type=int, default=2, help="rounds with no winner")
     ap.add_argument("--explorer", choices=["auto", "tpe", "local"], default="auto")
     ap.add_argument("--min-gain", type=float, default=0.01)
     ap.add_argument("--reach", type=float, default=0.02)
@@ -286,7 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["cpu"] = cpu_setting(args)
     if args.setting in ("gpu", "both"):
         results["gpu"] = gpu_setting(args)
-    (args.out / "tune_targets.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.out / "tune_targets.json", results)
     print(
         f"{'setting':<8} {'grid best':>22} {'loop/grid best':>15} {'loop/grid s':>12} "
         f"{'cold s':>8} {'warm s':>8}  lossless"

@@ -27,13 +27,9 @@ CPU:  ``PYTHONPATH=src python3 bench/w12_gpu.py --out DIR --tiny`` (TRITON_INTER
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import statistics
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -43,17 +39,19 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from specpilot.bench.kernel_bench import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
-from specpilot.bench.records import git_rev
-from specpilot.bench.script import finish, guarded
+from specpilot.bench import kernel_bench as kb
+from specpilot.bench.gpu_suite import _verify_engine
+from specpilot.bench.kernel_bench import LLAMA3_8B
+from specpilot.bench.script import finish, guarded, random_prompts
 from specpilot.costmodel.weight_format import predicted_w12_forward_s
 from specpilot.kernels.gemm_common import GemmConfig, counter_buffer
 from specpilot.kernels.w12_gemm import bf16_matmul, w12_matmul
 from specpilot.kernels.w12_gemv import GemvConfig, bf16_gemv, w12_gemv
+from specpilot.mechanisms.w12 import install as install_w12
 from specpilot.mechanisms.w12_format import decode, encode
+from specpilot.synthetic import build_target
 
 MS = (1, 2, 4, 8, 16)
-ROTATE_BYTES = 400 << 20
 GEMV_SWEEP = (
     GemvConfig(block_n=32, block_k=512, num_warps=4),
     GemvConfig(block_n=64, block_k=512, num_warps=4),
@@ -117,7 +115,7 @@ def configs(variant: str, m: int, tiny: bool) -> tuple[Any, ...]:
 def check(variant: str, cfg: Any, x: torch.Tensor, d: dict[str, Any]) -> dict[str, Any]:
     """Error ratio against fp64, and PTX == plain-op decode for the W12 variants."""
     y = variant_calls(variant, cfg, x, d)[0]()
-    out: dict[str, Any] = {"err_over_bound": error_ratio(y, x, d["bf16"][0])}
+    out: dict[str, Any] = {"err_over_bound": kb.error_ratio(y, x, d["bf16"][0])}
     if variant == "v3_gemv":
         out["ptx_equals_ops"] = bool(torch.equal(y, w12_gemv(x, d["v3"][0], d["cnt"][0], cfg=cfg, ptx=False)))  # fmt: skip
     elif variant in ("v2", "v3_dot"):
@@ -128,64 +126,49 @@ def check(variant: str, cfg: Any, x: torch.Tensor, d: dict[str, Any]) -> dict[st
 
 def bench_shape(n: int, k: int, dev: torch.device, args: argparse.Namespace, copy_bw: float,
                 deadline: float) -> dict[str, Any]:  # fmt: skip
-    cuda = dev.type == "cuda"
-    copies = max(2, min(16, math.ceil(ROTATE_BYTES / (2 * n * k)))) if cuda else 1
-    gen = torch.Generator(device=dev)
-    d: dict[str, Any] = {"bf16": [], "v2": [], "v3": [], "cnt": []}
-    for i in range(copies):
-        gen.manual_seed(1000 * i + n + k)
-        w = (0.02 * torch.randn(n, k, generator=gen, device=dev)).to(torch.bfloat16)
+    copies = kb.rotated_copies(n, k, dev)
+    d: dict[str, Any] = {"bf16": kb.seeded_weights(n, k, copies, dev), "v2": [], "v3": []}
+    d["cnt"] = [counter_buffer(n, dev) for _ in range(copies)]
+    for w in d["bf16"]:
         for layout in ("v2", "v3"):
             t = encode(w, layout)
             if not torch.equal(decode(t).view(torch.int16), w.view(torch.int16)):
                 raise RuntimeError(f"{layout} round trip is not bit-exact at {n}x{k}")
             d[layout].append(t)
-        d["bf16"].append(w)
-        d["cnt"].append(counter_buffer(n, dev))
     t0 = d["v3"][0]
     out: dict[str, Any] = {"N": n, "K": k, "copies": copies, "bits_per_weight": t0.bits_per_weight(),
                            "escapes": t0.num_escapes, "rows": {}}  # fmt: skip
+    gen = torch.Generator(device=dev)
     for m in args.ms:
         gen.manual_seed(7 + m)
         x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)
         w12_bytes = t0.stream_bytes() + 8 * t0.num_escapes
         act = 2 * m * k + 2 * m * n
+
+        def calls(v: str, cfg: Any, x: torch.Tensor = x) -> list[Any]:
+            return variant_calls(v, cfg, x, d)
+
         row: dict[str, Any] = {}
         best: dict[str, Any] = {}
         for variant in BF16_VARIANTS + W12_VARIANTS:
-            sweep: dict[str, float] = {}
-            errors: list[str] = []
-            for cfg in configs(variant, m, args.tiny):
-                if sweep and time.perf_counter() > deadline:
-                    break  # out of time: keep what was swept
-                try:
-                    sweep[cfg_key(cfg) if cfg else "F.linear"] = time_calls(
-                        variant_calls(variant, cfg, x, d), dev, args.reps
-                    )
-                    if not best.get(variant) or sweep[cfg_key(cfg) if cfg else "F.linear"] < best[variant][1]:  # fmt: skip
-                        best[variant] = (cfg, sweep[cfg_key(cfg) if cfg else "F.linear"])
-                except Exception as e:
-                    errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:300]}")
-            if variant in best:
-                cfg = best[variant][0]
-                row[variant] = {"config": asdict(cfg) if cfg else None, "sweep_us": {
-                    key: 1e6 * s for key, s in sweep.items()}, "config_errors": errors}  # fmt: skip
-                try:
-                    row[variant] |= check(variant, cfg, x, d)
-                except Exception as e:
-                    row[variant]["check_error"] = f"{type(e).__name__}: {e}"[:400]
-            elif errors:
-                row[variant] = {"error": "; ".join(errors)[:1500]}
-        rounds: dict[str, list[float]] = {v: [] for v in best}
-        for _ in range(args.rounds):  # interleaved: every variant once per round
-            for v, (cfg, _t) in best.items():
-                rounds[v].append(time_calls(variant_calls(v, cfg, x, d), dev, args.reps))
-        for v, ts in rounds.items():
-            med = statistics.median(ts)
-            wbytes = w12_bytes if v in W12_VARIANTS else 2 * n * k
-            row[v] |= {"us": 1e6 * med, "us_min": 1e6 * min(ts), "us_max": 1e6 * max(ts),
-                       "TBps": (wbytes + act) / med / 1e12,
-                       "roofline_frac": (wbytes + act) / med / copy_bw}  # fmt: skip
+            cfgs = configs(variant, m, args.tiny)
+            times, errors = kb.sweep(calls, variant, cfgs, dev, args.reps, deadline)
+            if not times:
+                if errors:
+                    row[variant] = {"error": "; ".join(errors)[:1500]}
+                continue
+            best[variant] = cfg = min(times, key=times.__getitem__)
+            sweep_us = {cfg_key(c) if c else "F.linear": 1e6 * t for c, t in times.items()}
+            row[variant] = {"config": asdict(cfg) if cfg else None, "sweep_us": sweep_us,
+                            "config_errors": errors}  # fmt: skip
+            try:
+                row[variant] |= check(variant, cfg, x, d)
+            except Exception as e:
+                row[variant]["check_error"] = f"{type(e).__name__}: {e}"[:400]
+        for v, ts in kb.best_rounds(calls, best, dev, args.rounds, args.reps).items():
+            nbytes = (w12_bytes if v in W12_VARIANTS else 2 * n * k) + act
+            row[v] |= kb.us_stats(ts, nbytes, copy_bw)
+            row[v]["TBps"] = nbytes / (row[v]["us"] * 1e-6) / 1e12
         out["rows"][str(m)] = row
     return out
 
@@ -195,8 +178,7 @@ def summarize(shapes: dict[str, Any], ms: tuple[int, ...], copy_bw: float) -> di
     summ: dict[str, Any] = {}
     for m in ms:
         rows = [s["rows"][str(m)] for s in shapes.values()]
-        tot = {v: sum(r[v]["us"] for r in rows) for v in BF16_VARIANTS + W12_VARIANTS
-               if all("us" in r.get(v, {}) for r in rows)}  # fmt: skip
+        tot = kb.layer_totals(rows, BF16_VARIANTS + W12_VARIANTS)
         e: dict[str, Any] = {"layer_us": tot}
         bf = {v: t for v, t in tot.items() if v in BF16_VARIANTS}
         w12 = {v: t for v, t in tot.items() if v in ("v3_gemv", "v3_dot")}
@@ -208,9 +190,8 @@ def summarize(shapes: dict[str, Any], ms: tuple[int, ...], copy_bw: float) -> di
                 e["v3_over_v2"] = tot["v2"] / w12[bw]
             # the config of the table: the swept config with the lowest sum over the shapes
             sweeps = [r[bw]["sweep_us"] for r in rows]
-            common = set.intersection(*(set(s) for s in sweeps))
-            if common:
-                key = min(common, key=lambda c: sum(s[c] for s in sweeps))
+            key = kb.best_common(sweeps)
+            if key is not None:
                 byts = sum((s["N"] * s["K"] * 1.5 + 2 * m * (s["N"] + s["K"])) for s in shapes.values())  # fmt: skip
                 e["table"] = {"kernel": "gemv" if bw == "v3_gemv" else "dot", "config": key,
                               "roofline_frac": byts / (1e-6 * sum(s[key] for s in sweeps)) / copy_bw}  # fmt: skip
@@ -220,18 +201,11 @@ def summarize(shapes: dict[str, Any], ms: tuple[int, ...], copy_bw: float) -> di
 
 def e2e(dev: torch.device, kernel: dict[str, Any], tiny: bool) -> dict[str, Any]:
     """Forward times of the engine (CUDA graphs) at widths 1 and 16, stock vs W12."""
-    import random
-
-    from specpilot.bench.gpu_suite import _verify_engine
-    from specpilot.mechanisms.w12 import install
-    from specpilot.synthetic import build_target
-
     target = build_target("tiny-llama" if tiny else "llama3-8b", dev, torch.bfloat16, max_positions=2048)  # fmt: skip
-    rng = random.Random(0)
-    prompt = [rng.randrange(target.cfg.vocab_size) for _ in range(8 if tiny else 64)]
+    prompt = random_prompts(target.cfg.vocab_size, 8 if tiny else 64)[0]
     iters = 1 if tiny else 20
     stock = {w: _verify_engine(target, prompt, 16).time_forward(w, iters) for w in (1, 16)}
-    stats = install(target, layers="all", max_m=64)
+    stats = install_w12(target, layers="all", max_m=64)
     w12 = {w: _verify_engine(target, prompt, 16).time_forward(w, iters) for w in (1, 16)}
     out: dict[str, Any] = {"bits_per_weight": stats["bits_per_weight"], "widths": {}}
     for w in (1, 16):
@@ -296,34 +270,19 @@ def table(res: dict[str, Any]) -> str:
 
 def main() -> None:
     started = time.perf_counter()
-    args, dev, copy_bw = kernel_bench_setup(__doc__, 110.0)
+    args, dev, copy_bw = kb.kernel_bench_setup(__doc__, 110.0)
     shapes = {"a": (32, 128)} if args.tiny else LLAMA3_8B
     args.ms = (1, 3) if args.tiny else MS
-    res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (interpreter)",
-        "commit": git_rev(), "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__, "copy_TBps": copy_bw / 1e12, "ms": list(args.ms), "shapes": {},
-        "notes": "seeded N(0, 0.02) bf16 weights; CUDA graphs, weight copies rotated past L2; "
-        "medians of interleaved rounds of each variant's best swept config; roofline = (weight + "
-        "x + y bytes) / time / copy bandwidth (2 GiB device copy, read + write)",
-    }  # fmt: skip
-    import triton
-
-    res["triton"] = triton.__version__
+    res = {**kb.kernel_header(dev, copy_bw), "ms": list(args.ms), "shapes": {}}
     path = args.out / "w12_gpu.json"
     deadline = started + args.budget_s
-    for sname, (n, k) in shapes.items():
-        t0 = time.perf_counter()
-        res["shapes"][sname] = guarded(
-            lambda n=n, k=k: bench_shape(n, k, dev, args, copy_bw, deadline), 2000
-        )
-        res["shapes"][sname]["seconds"] = time.perf_counter() - t0
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-        ok = {s: v for s, v in res["shapes"].items() if "error" not in v}
-        res["summary"] = summarize(ok, args.ms, copy_bw) if len(ok) == len(shapes) else {}
-        res["wall_s"] = time.perf_counter() - started
-        path.write_text(json.dumps(res, indent=1))
+
+    def bench(_name: str, n: int, k: int) -> dict[str, Any]:
+        return bench_shape(n, k, dev, args, copy_bw, deadline)
+
+    kb.per_matrix(
+        res, "shapes", shapes, bench, lambda ok: summarize(ok, args.ms, copy_bw), path, dev
+    )
     if not args.no_e2e:
         res["e2e"] = guarded(
             lambda: e2e(

@@ -26,20 +26,18 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from w12_gpu import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
-
+from specpilot.bench.kernel_bench import LLAMA3_8B, error_ratio, kernel_bench_setup, time_calls
 from specpilot.bench.records import git_rev
 from specpilot.bench.script import guarded
 from specpilot.kernels.gemm_common import counter_buffer

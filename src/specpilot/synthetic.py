@@ -126,6 +126,29 @@ def init_random_on_device(module: nn.Module, seed: int, std: float = 0.02) -> No
                 prm.normal_(0.0, std, generator=gen)
 
 
+def head_only_model(
+    vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> Transformer:
+    """A one-layer model used only for its LM head ``[vocab, hidden]``, seeded N(0, 0.02)."""
+    heads = max(1, hidden // 128)
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden,
+        num_layers=1,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=min(128, hidden),
+        max_position_embeddings=64,
+    )
+    model = Transformer(cfg, dtype=dtype, device=device, max_positions=64)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        model.lm_head.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
 def _lookup(table: dict[str, ModelConfig], name: str, what: str) -> ModelConfig:
     try:
         return table[name]

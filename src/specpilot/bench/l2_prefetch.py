@@ -1,5 +1,6 @@
-"""End to end for ``bench/l2_prefetch_gpu.py`` — AR decode with mechanism ``l2-prefetch`` off and
-on — and the script's printed table.
+"""For ``bench/l2_prefetch_gpu.py``: the micro grid's prefetch variants and the pick of the best
+that the mechanism's knobs express; end to end, AR decode with mechanism ``l2-prefetch`` off and
+on; and the script's printed table.
 
 One target (the llama3-8b shape with random bf16 weights on CUDA; ``tiny-llama`` in fp32 on the
 CPU) and one engine per arm, each built by ``build_engine`` — the composition root every command
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from specpilot.bench import script
 from specpilot.bench.protocol import Sample, interleave
-from specpilot.engine import Engine, generate
+from specpilot.engine import Engine
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import DeploymentSpec, EngineConfig
+from specpilot.kernels.l2_prefetch import PrefetchSpec
 from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.l2_prefetch import L2Prefetch, MiB, install, installed, l2_bytes
 from specpilot.mechanisms.l2_prefetch_cost import ASSUMPTIONS, predict
@@ -31,6 +35,65 @@ from specpilot.runtime import LoadedModel
 from specpilot.synthetic import build_target
 
 NAME = "l2-prefetch"
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    nbytes: int  # 0: no prefetch
+    stream: str = "side"
+    spec: PrefetchSpec = field(default_factory=PrefetchSpec)
+
+    def knobs(self) -> dict[str, Any] | None:
+        """The mechanism's knobs for this variant (None: not expressible, e.g. another chunk;
+        the tiny sizes of ``--tiny`` map to 1 MiB)."""
+        if not self.nbytes or self.spec.chunk:
+            return None
+        return {
+            "phases": "all",
+            "mb": max(1, round(self.nbytes / MiB)),
+            "stream": self.stream,
+            "instruction": self.spec.instruction,
+            "programs": self.spec.programs,
+        }
+
+    @property
+    def name(self) -> str:
+        if not self.nbytes:
+            return "none"
+        s = self.spec
+        chunk = f"/{s.chunk_bytes >> 10}K" if s.instruction == "bulk" else ""
+        return f"{self.nbytes / MiB:g}M {self.stream} {s.instruction}{chunk} p{s.programs}"
+
+
+def variants(tiny: bool, mibs: list[float]) -> list[Variant]:
+    unit = 1024 if tiny else MiB
+    out = [Variant(0)]
+    for x in mibs:
+        for stream in ("side", "same"):
+            for instr in ("bulk", "line"):
+                out.append(Variant(int(x * unit), stream, PrefetchSpec(instr, 8)))
+    mid = int(16 * unit)
+    out += [Variant(mid, "side", PrefetchSpec("bulk", p)) for p in (2, 32)]
+    out += [Variant(mid, "side", PrefetchSpec("line", 32))]
+    out += [Variant(mid, "side", PrefetchSpec("bulk", 8, chunk=c)) for c in (4096, 65536)]
+    return out
+
+
+def pick_best(micro: dict[str, Any], tiny: bool, mibs: list[float]) -> dict[str, Any]:
+    """Of the variants the mechanism's knobs can express, the one with the largest median saving
+    summed over the pairs, each weighted by how often a layer has it (attention → o once; a norm
+    before a matrix three times: qkv, gate_up, and down after SiLU·mul)."""
+    knobs = {v.name: v.knobs() for v in variants(tiny, mibs)}
+    total: dict[str, float] = {}
+    for pair, res in micro.items():
+        if not isinstance(res, dict) or "variants" not in res:
+            continue
+        weight = 1.0 if pair.startswith("attention") else 1.5
+        for name, row in res["variants"].items():
+            if knobs.get(name) is not None:
+                total[name] = total.get(name, 0.0) + weight * row["saved_s"]["median"]
+    name = max(total, key=lambda n: total[n]) if total else None
+    return {"name": name, "knobs": knobs.get(name) if name else None, "scores": total}
 
 
 def arm_knobs(best: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -133,25 +196,14 @@ def run_e2e(
 def decode_sample(
     engine: Engine, pf: L2Prefetch | None, prompt: list[int], new_tokens: int
 ) -> Sample:
-    """One decode of ``prompt`` with the arm's hooks attached; the clock starts at the first
-    commit the host reads (prefill and the first step's read-back excluded)."""
-    first: list[float] = []
-
-    def mark(_i: int, toks: list[int]) -> None:  # called once the host has read them
-        if not first:
-            first.extend((time.perf_counter(), len(toks)))
-
+    """:func:`~specpilot.bench.script.decode_sample` with the arm's hooks attached."""
     if pf is not None:
         pf.attach()
     try:
-        res = generate(engine, [prompt], new_tokens, on_commit=mark)[0]
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        end = time.perf_counter()
+        return script.decode_sample(engine, prompt, new_tokens)
     finally:
         if pf is not None:
             pf.detach()
-    return Sample(len(res.tokens) - int(first[1]), end - first[0], res.tokens)
 
 
 def _windows(measured: Mapping[str, float], ctx: int) -> dict[str, float]:
@@ -221,4 +273,4 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["arm_knobs", "decode_sample", "run_e2e", "table"]
+__all__ = ["Variant", "arm_knobs", "decode_sample", "pick_best", "run_e2e", "table", "variants"]
