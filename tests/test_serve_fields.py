@@ -104,3 +104,19 @@ def test_speculation_off_or_capped_gives_the_same_tokens(server):
             logprobs=True,
             top_logprobs=21,
         )
+
+
+def test_streamed_completion_logprobs_continue_their_text_offsets(server):
+    """Each chunk's ``text_offset`` continues from the chunks before, so the stream's logprobs
+    put together equal the plain answer's."""
+    kw = dict(model=None, prompt="hello world hello", max_tokens=10, logprobs=2)
+    plain = client(server).completions.create(**kw).choices[0].logprobs  # type: ignore[call-overload]
+    tokens, offsets = [], []
+    for chunk in client(server).completions.create(stream=True, **kw):  # type: ignore[call-overload]
+        lp = chunk.choices[0].logprobs if chunk.choices else None
+        if lp is not None:
+            tokens += lp.tokens
+            offsets += lp.text_offset
+    assert plain is not None and len(tokens) > 1
+    assert tokens == plain.tokens and offsets == plain.text_offset
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]

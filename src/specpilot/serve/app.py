@@ -148,6 +148,7 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
             return error(500, payload, "server_error")
 
         async def events() -> AsyncIterator[bytes]:
+            offset = 0  # characters of the answer that the tokens sent so far spell
             try:
                 first = shape.first_chunk(rid, created)
                 if first is not None:
@@ -156,10 +157,12 @@ def create_app(worker: EngineWorker, settings: ServeSettings) -> FastAPI:
                     kind, payload = await job.out.get()
                     if kind == "delta":
                         text, lps = payload
-                        yield sse(shape.chunk(rid, created, text, None, lps))
+                        yield sse(shape.chunk(rid, created, text, None, lps, offset))
+                        offset += _spelled(shape.tok, lps)
                     elif kind == "done":
                         rest = payload.unsent  # logprobs no delta carried yet
-                        yield sse(shape.chunk(rid, created, "", payload.finish_reason, rest))
+                        end = shape.chunk(rid, created, "", payload.finish_reason, rest, offset)
+                        yield sse(end)
                         if req.include_usage():
                             usage = _usage(len(prompt_ids), payload)
                             yield sse(shape.usage_chunk(rid, created, usage))
@@ -245,8 +248,14 @@ def _chat_logprobs(tok: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def _spelled(tok: Any, lps: list[TokenLogprob]) -> int:
+    """Characters that the tokens of ``lps`` spell, one by one (``text_offset``'s steps)."""
+    return sum(len(_piece(tok, x.token)) for x in lps)
+
+
 def _completion_logprobs(tok: Any, lps: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset
+    (from ``offset``: a stream's chunks continue the offsets of the ones before)."""
     pieces = [_piece(tok, x.token) for x in lps]
     offsets, at = [], offset
     for p in pieces:
@@ -283,8 +292,9 @@ class _CompletionShape:
         text: str,
         finish: str | None,
         lps: list[TokenLogprob] | None = None,
+        offset: int = 0,
     ) -> dict[str, Any]:
-        logprobs = _completion_logprobs(self.tok, lps) if lps else None
+        logprobs = _completion_logprobs(self.tok, lps, offset) if lps else None
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return _envelope(rid, "text_completion", created, self.model, choice)
 
@@ -317,8 +327,10 @@ class _ChatShape:
         text: str,
         finish: str | None,
         lps: list[TokenLogprob] | None = None,
+        offset: int = 0,
         first: bool = False,
     ) -> dict[str, Any]:
+        """``offset``: unused (chat logprobs carry no text offsets)."""
         delta = (
             {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
         )

@@ -64,8 +64,8 @@ class ServerMetrics:
 
         # seconds from a job's hand-over to the engine thread (``EngineWorker.submit``)
         def latency(name: str, doc: str) -> Histogram:
-            buckets = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.075, 0.1)
-            buckets += (0.15, 0.25, 0.5, 1, 2.5, 10)
+            fine = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.05, 0.075, 0.1)
+            buckets = (*fine, 0.15, 0.25, 0.5, 1, 2.5, 10)
             return Histogram(name, doc, buckets=buckets, registry=r)
 
         self.time_to_first_token = latency(
