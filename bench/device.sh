@@ -17,6 +17,8 @@
 #   latency   `specpilot bench --mode serve` against `specpilot serve` (SERVES="none:4 none:0 ngram:4",
 #             drafter:stream-window):
 #             TTFT / TPOT / ITL at 1 / 4 / 16 / 32 concurrent (docs/SERVE.md)
+#   ttft      bench/ttft_trace_gpu.py: where a served request's first step goes (prefill, decode;
+#             SDPA with and without cuDNN on new prompt lengths), the server's own scheduler
 #   kernels   the kernel micro-benchmarks: w12, gemv sweep, split-kv attention, fused GEMVs,
 #             tree accept, L2 prefetch, exact head, two-level on graphs (KERNELS=w12,attn to pick)
 #   train     `specpilot train-drafter` DFlash on SmolLM2 (carry the GGUF and ShareGPT, below)
@@ -95,6 +97,10 @@ if has latency; then
     curl -s http://127.0.0.1:8123/metrics > "$out/metrics_${d}_w$w.txt"  # server-side TTFT, prefill
     kill $pid; wait $pid 2> /dev/null
   done
+fi
+if has ttft; then
+  hfdir $RANDOM_DIR
+  TAIL=14 step ttft_trace 300 python3 bench/ttft_trace_gpu.py --out "$out/ttft" --repeats 8 -- $(dep $RANDOM_DIR) --drafter none --stream-window 4 --max-concurrency 32
 fi
 if has kernels; then
   k=,${KERNELS:-w12,sweep,attn,gemv,tree,l2,head,twolevel},
