@@ -94,6 +94,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
 
 
+def loads_model(args: argparse.Namespace) -> bool:
+    """``--mode serve`` measures a running server: no deployment to check or load here."""
+    return bool(args.mode != "serve")
+
+
 def check(args: argparse.Namespace) -> list[str]:
     """bench's own arguments, before anything is loaded (``commands/checks.py``); fetches the
     prompt set if it is not cached yet, so that a failed fetch costs no model load."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -223,11 +224,13 @@ def _sim_k(profile: str, k: int | None) -> int:
 def check_args(args: argparse.Namespace, module: ModuleType) -> list[str]:
     """Every check of ``args`` before anything is loaded (``commands/checks.py``): the shared
     options, the command's own (``module.check``), then the deployment (or the engine config a
-    command reads), whose paths and models are checked last."""
+    command reads), whose paths and models are checked last, unless the command says it loads
+    no model for these arguments (``module.loads_model(args)`` false)."""
     check_shared(args)
     own: Check | None = getattr(module, "check", None)
     notes = [] if own is None else own(args)
-    if getattr(args, "mode", None) == "serve":  # bench --mode serve loads nothing: a server does
+    loads: Callable[[argparse.Namespace], bool] | None = getattr(module, "loads_model", None)
+    if loads is not None and not loads(args):  # e.g. bench --mode serve: a server does
         return notes
     if hasattr(args, "drafter"):  # the deployment options of add_engine_args
         notes += check_deployment(args)
