@@ -50,3 +50,11 @@ def test_nothing_at_the_url_is_one_clear_error(tmp_path, capsys):
 def test_url_belongs_to_the_serve_mode(capsys):
     assert main(["bench", "--url", "http://127.0.0.1:1"]) == 2
     assert "--url is for --mode serve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [["--rounds", "3"], ["--hf"]])
+def test_offline_flags_are_refused_in_the_serve_mode(flag, capsys):
+    """Also ``--rounds 3``, the offline default: given at all, it was meant for another mode."""
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["bench", "--mode", "serve", "--url", url, *flag]) == 2
+    assert "are for the offline modes" in capsys.readouterr().err

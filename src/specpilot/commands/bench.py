@@ -20,6 +20,9 @@ from specpilot.engine import AcceptanceStats
 from specpilot.errors import SpecPilotError
 from specpilot.forcing import ForcingReport
 
+DEFAULT_ROUNDS = 3
+"""Interleaved rounds of an offline bench when ``--rounds`` is not given."""
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -48,9 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=None,
         help="interleaved rounds of AR and speculative after a warm-up; the speedup is their "
-        "median, shown with its spread (default: %(default)s)",
+        f"median, shown with its spread (default: {DEFAULT_ROUNDS})",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     b = p.add_argument_group("batched mode (continuous batching, docs/SERVE.md)")
@@ -104,6 +107,8 @@ def check(args: argparse.Namespace) -> list[str]:
     prompt set if it is not cached yet, so that a failed fetch costs no model load."""
     at_least(args, "rounds", 1)
     writable_file(args.out, "--out")
+    if args.mode != "serve" and args.rounds is None:
+        args.rounds = DEFAULT_ROUNDS
     if args.url and args.mode != "serve":
         raise SpecPilotError("--url is for --mode serve.")
     if args.mode == "serve":

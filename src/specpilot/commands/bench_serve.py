@@ -41,7 +41,7 @@ def check_serve(args: argparse.Namespace) -> None:
     """The serve mode's arguments, and one request to the server, before any load is sent."""
     if not args.url:
         raise SpecPilotError("--mode serve needs --url (e.g. http://127.0.0.1:8000).")
-    if args.rounds != 3 or args.hf or args.resume:
+    if args.rounds is not None or args.hf or args.resume:
         raise SpecPilotError("--rounds, --hf and --resume are for the offline modes.")
     parse_concurrency(args.concurrency)
     args.served_model = args.served_model or server_model(args.url)
