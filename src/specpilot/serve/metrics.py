@@ -74,8 +74,8 @@ class ServerMetrics:
         )
         self.time_to_first_text = latency(
             "specpilot_time_to_first_text_seconds",
-            "From a job's hand-over to its first text sent (tokens that decode to no text, or "
-            "hold a partial character or stop string, come later)",
+            "From a job's hand-over to its first final text, sent then when streamed (tokens "
+            "that decode to no text, a partial character or a stop string's start come later)",
         )
         self.prefill_step_seconds = latency(
             "specpilot_prefill_step_seconds",
