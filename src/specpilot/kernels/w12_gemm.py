@@ -99,7 +99,11 @@ def _w12_half(
             w = _bits_to_operand(bits, INTERPRET)
         else:
             w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return _dot_acc(acc, x, w, USE_DOT, W_AS_A, INTERPRET)
+    if PRMT and not USE_DOT:  # one row on the GPU: the hardware bf16 -> fp32 conversion (exact)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc = _dot_acc(acc, x, w, USE_DOT, W_AS_A, INTERPRET)
+    return acc
 
 
 @triton.jit
