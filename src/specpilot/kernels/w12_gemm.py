@@ -130,11 +130,19 @@ def _v3_group(
     HALF: tl.constexpr = GROUP // 2
     kc = kg + tl.arange(0, HALF)  # [32] columns of the first half
     sm_ptrs = sm_ptr + offs_n[:, None] * stride_sm + kc[None, :]
-    # columns past K are zero bytes of the padded rows: the masks bound only rows and the split
-    lo = _load_w(sm_ptrs, n_ok, kc, k_hi, EVEN)  # [BN, 32]
-    hi = _load_w(sm_ptrs + HALF, n_ok, kc + HALF, k_hi, EVEN)
+    w_mask = n_ok[:, None] & (kc[None, :] < k_hi)
+    if EVEN:
+        lo = tl.load(sm_ptrs)
+        hi = tl.load(sm_ptrs + HALF)
+    else:  # columns past K are zero bytes of the padded rows: only rows and the split bound
+        lo = tl.load(sm_ptrs, mask=w_mask, other=0)
+        hi = tl.load(sm_ptrs + HALF, mask=n_ok[:, None] & (kc[None, :] + HALF < k_hi), other=0)
     x_lo = _load_x(x_ptr, offs_m, m_ok, stride_xm, kc, k_hi)  # [BM, 32]
-    x_hi = _load_x(x_ptr, offs_m, m_ok, stride_xm, kc + HALF, k_hi)
+    x_hi = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + kc[None, :] + HALF,
+        mask=m_ok[:, None] & (kc[None, :] + HALF < k_hi),
+        other=0.0,
+    )
     if PRMT:  # GPU only: the interpreter cannot run inline PTX
         base4 = base_col * 0x01010101  # [BN, 1]
         w_lo, w_hi = decode_tiles_bf16_ptx(lo, hi, cb, base4)
