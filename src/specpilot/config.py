@@ -81,13 +81,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def matrix_params(self, in_width: int | None = None) -> int:
+        """Weights of one layer's matrices: q/k/v (reading ``in_width`` columns; None: the hidden
+        size), o, and the MLP's gate, up and down."""
+        h, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
+        return (in_width or h) * qkv + self.q_size * h + 3 * h * self.intermediate_size
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        h, v = self.hidden_size, self.vocab_size
+        attn_bias = self.q_size + 2 * self.kv_size if self.attention_bias else 0
+        per_layer = (
+            self.matrix_params() + attn_bias + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        )
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 

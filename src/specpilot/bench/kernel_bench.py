@@ -23,6 +23,7 @@ import torch
 from specpilot.bench.runner import synchronize
 from specpilot.bench.script import guarded, run_info
 from specpilot.costmodel.hardware import copy_bandwidth
+from specpilot.tune.kernel_search import graph_time
 
 LLAMA3_8B = {
     "qkv": (6144, 4096),
@@ -150,41 +151,26 @@ def per_matrix(
 
 def time_calls(calls: Sequence[Callable[[], Any]], dev: torch.device, reps: int) -> float:
     """Seconds per call, the calls run round-robin ``reps`` times (CUDA graph when possible)."""
-    for c in calls:
-        c()
-    synchronize(dev)
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for c in calls:
-                c()
-        return (time.perf_counter() - t0) / (reps * len(calls))
-    n = reps * len(calls)
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    if dev.type == "cuda":
+        try:
+            return graph_time(calls, dev, reps)
+        except Exception:  # graph capture refused: plain launches (includes launch overhead)
+            torch.cuda.synchronize(dev)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             for _ in range(reps):
                 for c in calls:
                     c()
-        graph.replay()
-        synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        synchronize(dev)
-        return start.elapsed_time(end) / 1e3 / (3 * n)
-    except Exception:  # graph capture refused: plain launches (includes launch overhead)
-        torch.cuda.synchronize(dev)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            for c in calls:
-                c()
-        end.record()
-        synchronize(dev)
-        return start.elapsed_time(end) / 1e3 / n
+            end.record()
+            synchronize(dev)
+            return start.elapsed_time(end) / 1e3 / (reps * len(calls))
+    for c in calls:
+        c()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for c in calls:
+            c()
+    return (time.perf_counter() - t0) / (reps * len(calls))
 
 
 def kernel_bench_setup(

@@ -40,6 +40,28 @@ def _tag(pred: Prediction) -> str:
     return f" · {SIM_LABEL}" if pred.acceptance.source == "simulated" else ""
 
 
+def _component_cells(pred: Prediction) -> list[tuple[str, ...]]:
+    """Per component of the cycle: its name, AR roofline and measured ms per step, cycle roofline
+    and measured ms, ms lost per generated token (``-``: no gap)."""
+    gaps = {g.component: g for g in pred.gaps()}
+    rows = []
+    for comp in CYCLE_ORDER:
+        st, at = pred.spec.term(comp), pred.ar.term(comp)
+        if st is None or at is None:
+            continue
+        g = gaps.get(comp)
+        lost = "-" if g is None else f"{g.lost_s_per_token * 1e3:.3f}"
+        times = (at.roofline_s, at.measured_s, st.roofline_s, st.measured_s)
+        rows.append((comp, *map(_ms, times), lost))
+    return rows
+
+
+def _total_cells(pred: Prediction) -> tuple[str, ...]:
+    """The whole step and cycle: ``total``, then the four columns of ms."""
+    ar, spec = pred.ar, pred.spec
+    return ("total", *map(_ms, (ar.roofline_s, ar.measured_s, spec.roofline_s, spec.measured_s)))
+
+
 def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None:
     """A rich table of the cycle (roofline vs measured per component) and the speedups."""
     from rich.table import Table
@@ -56,7 +78,6 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
         console.print(tagged(line))
 
     e = pred.expected_tokens
-    gaps = {g.component: g for g in pred.gaps()}
     title = f"profile · {pred.label} · ms per AR step / per cycle, lost ms per token"
     table = Table(title=title, title_justify="left")
     meas = "measured" if pred.measured_speedup is not None else "predicted"
@@ -69,28 +90,9 @@ def print_report(pred: Prediction, header: dict[str, Any] | None = None) -> None
         ("lost/tok", "right"),
     ):
         table.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
-    for comp in CYCLE_ORDER:
-        st, at = pred.spec.term(comp), pred.ar.term(comp)
-        if st is None or at is None:
-            continue
-        g = gaps.get(comp)
-        table.add_row(
-            comp,
-            _ms(at.roofline_s),
-            _ms(at.measured_s),
-            _ms(st.roofline_s),
-            _ms(st.measured_s),
-            "-" if g is None else f"{g.lost_s_per_token * 1e3:.3f}",
-        )
-    table.add_row(
-        "[bold]total[/]",
-        _ms(pred.ar.roofline_s),
-        _ms(pred.ar.measured_s),
-        _ms(pred.spec.roofline_s),
-        _ms(pred.spec.measured_s),
-        "",
-        end_section=True,
-    )
+    for cells in _component_cells(pred):
+        table.add_row(*cells)
+    table.add_row("[bold]total[/]", *_total_cells(pred)[1:], "", end_section=True)
     console.print(table)
     src = pred.acceptance.source
     say(
@@ -229,20 +231,12 @@ def plain_table(pred: Prediction) -> str:
         f"{'component':<14}{'AR roof':>9}{'AR ' + kind:>9}{'cyc roof':>10}{'cyc ' + kind:>10}"
         f"{'lost/tok':>10}  (ms)"
     ]
-    gaps = {g.component: g for g in pred.gaps()}
-    for comp in CYCLE_ORDER:
-        st, at = pred.spec.term(comp), pred.ar.term(comp)
-        if st is None or at is None:
-            continue
-        g = gaps.get(comp)
+    for cells in [*_component_cells(pred), _total_cells(pred)]:
+        name, *rest = cells
+        widths = (9, 9, 10, 10, 10)
         rows.append(
-            f"{comp:<14}{_ms(at.roofline_s):>9}{_ms(at.measured_s):>9}{_ms(st.roofline_s):>10}"
-            f"{_ms(st.measured_s):>10}{'-' if g is None else f'{g.lost_s_per_token * 1e3:.3f}':>10}"
+            f"{name:<14}" + "".join(f"{c:>{w}}" for c, w in zip(rest, widths, strict=False))
         )
-    rows.append(
-        f"{'total':<14}{_ms(pred.ar.roofline_s):>9}{_ms(pred.ar.measured_s):>9}"
-        f"{_ms(pred.spec.roofline_s):>10}{_ms(pred.spec.measured_s):>10}"
-    )
     line = (
         f"E = {pred.expected_tokens:.2f} ({pred.acceptance.source}); speedup predicted "
         f"{_x(pred.predicted_speedup)}, ceiling {_x(pred.ceiling_speedup)}"

@@ -46,7 +46,7 @@ from specpilot.engine.view import VerifyPlan
 from specpilot.errors import PromptTooLongError
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
-from specpilot.models.layout import DenseLayout, Layout, PackedLayout, PackedRows
+from specpilot.models.layout import DenseLayout, Layout, PackedLayout
 from specpilot.models.transformer import Transformer
 
 
@@ -410,20 +410,6 @@ class Engine:
             lay.to_block(x, self._final)
         live = lay.live_rows(self.state.active)  # [M]: idle rows and padding may not abstain
         lay.to_block(fwd.argmax(x, may_abstain=True, valid=live)[:, None], argmax_out[:, :, None])
-
-    def packed_layout(
-        self,
-        rows: PackedRows,
-        m: int,
-        attn_len: int,
-        depths: Tensor | None = None,
-        visible: Tensor | None = None,
-    ) -> PackedLayout:
-        st = self.state
-        return PackedLayout.build(
-            rows, m, st.committed_len - 1, attn_len, self.fwd.groups, self.target.dtype,
-            self.capacity, depths, visible,
-        )  # fmt: skip
 
     # ------------------------------------------------------------------ timing
     def mark(self) -> None:

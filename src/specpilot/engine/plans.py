@@ -22,7 +22,7 @@ changes speed, never a committed token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 
@@ -32,7 +32,7 @@ from specpilot.engine.accept import tree_accept_and_commit, use_fused_tree_accep
 from specpilot.engine.tree_policy import FixedTree, TreePolicy
 from specpilot.engine.trees import TreeBuffers
 from specpilot.engine.widths import WidthPolicy
-from specpilot.models.layout import PackedRows, bucket_rows
+from specpilot.models.layout import PackedLayout, PackedRows, bucket_rows
 
 if TYPE_CHECKING:
     from specpilot.engine.view import EngineView
@@ -65,6 +65,21 @@ def _tree_bufs_fit(
     return tuple(bufs.hidden.shape) == (n_sel, batch, width, size) and bufs.hidden.dtype == dtype
 
 
+def _packed_layout(
+    engine: EngineView,
+    rows: PackedRows,
+    m: int,  # packed rows of this forward (a bucket)
+    attn_len: int,
+    depths: torch.Tensor | None = None,  # [B, W] tree depth of each block row (None: a chain)
+    visible: torch.Tensor | None = None,  # [B, W, W] bool ancestor mask (with ``depths``)
+) -> PackedLayout:
+    """The layout of a packed verify over the engine's rows, from their committed lengths."""
+    return PackedLayout.build(
+        rows, m, engine.state.committed_len - 1, attn_len, engine.fwd.groups, engine.target.dtype,
+        engine.capacity, depths, visible,
+    )  # fmt: skip
+
+
 def _pow2_width(w: int, cap: int) -> int:
     """Smallest power of two >= ``w``, capped at ``cap`` (graph keys stay few)."""
     p = 1
@@ -73,7 +88,30 @@ def _pow2_width(w: int, cap: int) -> int:
     return min(p, cap)
 
 
-class _WidthCaps:
+class _RowFeedback(Protocol):
+    def reset_row(self, row: int) -> None: ...
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None: ...
+
+
+_P = TypeVar("_P", bound=_RowFeedback)
+
+
+class _PolicyFeedback(Generic[_P]):
+    """A row's restart and each cycle's outcome, passed on to the optional per-row policy."""
+
+    policy: _P | None
+
+    def reset_row(self, row: int) -> None:
+        if self.policy is not None:
+            self.policy.reset_row(row)
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        if self.policy is not None:
+            self.policy.observe(row, drafted, accepted)
+
+
+class _WidthCaps(_PolicyFeedback[WidthPolicy]):
     """Per-row draft caps from a width policy, written into ``state.cut`` (pinned copy)."""
 
     def __init__(self, policy: WidthPolicy | None) -> None:
@@ -106,14 +144,6 @@ class _WidthCaps:
             return
         self._host.copy_(torch.tensor([max(w - 1, 0) for w in widths], dtype=torch.int64))
         engine.state.cut.copy_(self._host, non_blocking=True)
-
-    def reset_row(self, row: int) -> None:
-        if self.policy is not None:
-            self.policy.reset_row(row)
-
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
-        if self.policy is not None:
-            self.policy.observe(row, drafted, accepted)
 
 
 class ChainPlan:
@@ -202,7 +232,7 @@ class PackedPlan:
         def verify() -> None:
             st.cut.copy_(rows.data[3, : engine.batch])
             block = torch.cat([st.pending[:, None], st.drafts[:, :k]], dim=1)  # [B, k+1]
-            lay = engine.packed_layout(rows, m, attn_len)
+            lay = _packed_layout(engine, rows, m, attn_len)
             engine.forward_block(block, lay, st.verify_argmax, engine.verify_hidden)
 
         engine.verify_and_accept(
@@ -214,7 +244,7 @@ class PackedPlan:
         return k + 1, [max(w - 1, 0) for w in widths]
 
 
-class TreePlan:
+class TreePlan(_PolicyFeedback[TreePolicy]):
     """Tree verify. ``policy`` picks each row's static tree (candidate drafters); ``shape``
     bounds a host drafter's trie (``propose_tree``). ``fused_accept``: accept and compact with
     the one Triton launch (None: wherever Triton runs, ``accept.use_fused_tree_accept``)."""
@@ -285,14 +315,6 @@ class TreePlan:
         if self.fused and engine.cache is not None:
             engine.cache.tensor_offsets()  # its one host→device copy, before any capture
 
-    def reset_row(self, row: int) -> None:
-        if self.policy is not None:
-            self.policy.reset_row(row)
-
-    def observe(self, row: int, drafted: int, accepted: int) -> None:
-        if self.policy is not None:
-            self.policy.observe(row, drafted, accepted)
-
     def _static_trees(self, engine: EngineView) -> tuple[list[int], list[int]]:
         assert self.policy is not None and self.bufs is not None and engine.drafter is not None
         active = engine.host.active
@@ -331,7 +353,7 @@ class TreePlan:
         attn_len = engine.bucket(max(engine.host.lens) - 1 + w)
 
         def verify() -> None:
-            lay = engine.packed_layout(rows, m, attn_len, bufs.topo[1], bufs.visible)
+            lay = _packed_layout(engine, rows, m, attn_len, bufs.topo[1], bufs.visible)
             engine.forward_block(bufs.tokens, lay, bufs.argmax, bufs.hidden)
 
         cache, fused = engine.cache, self.fused

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
     from specpilot.models.forward import Forward
     from specpilot.models.kv_cache import KVCache
-    from specpilot.models.layout import Layout, PackedLayout, PackedRows
+    from specpilot.models.layout import Layout
     from specpilot.models.transformer import Transformer
 
 
@@ -138,12 +138,4 @@ class EngineView(DraftRows, Protocol):
         argmax_out: Tensor,  # [B, >= W] int64
         hidden_out: Tensor | None,  # [n_sel, B, >= W, hidden] or None
     ) -> None: ...
-    def packed_layout(
-        self,
-        rows: PackedRows,
-        m: int,
-        attn_len: int,
-        depths: Tensor | None = None,
-        visible: Tensor | None = None,
-    ) -> PackedLayout: ...
     def mark(self) -> None: ...

@@ -1,7 +1,8 @@
 """What the small-M matmul kernels here share (``w12_gemm``, ``w12_gemv``, ``int8_gemm``,
-``fused_gemv`` and the exact head's certificate kernels): the output tile of a program, the split-K
-epilogue with its arrival counters, the bf16 conversions that are exact in the interpreter too,
-and the launch arithmetic (tilings, how many K splits).
+``fused_gemv`` and the exact head's certificate kernels): the output tile of a program, the K step
+over a plain bf16 or int8 weight, the split-K epilogue with its arrival counters, the bf16
+conversions that are exact in the interpreter too, and the launch arithmetic (tilings, how many K
+splits).
 
 Split-K: each split writes its fp32 partial; an atomic per-tile counter (``acq_rel``) elects the
 last split, which sums the partials in split order (deterministic), applies the per-column scale,
@@ -43,6 +44,66 @@ def _x_operand(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return _bf16_to_f32(x)
     return x
+
+
+@triton.jit
+def _w_operand(w, INTERPRET: tl.constexpr):
+    """A plain weight tile as a ``tl.dot`` operand: bf16 as it is, int8 codes as bf16 (every
+    integer in [-127, 127] is exact in bf16); fp32 in the interpreter (exact too)."""
+    if w.dtype == tl.int8:
+        if INTERPRET:  # noqa: SIM108 (one return after full if/else: see _out_cast)
+            op = w.to(tl.float32)
+        else:
+            op = w.to(tl.bfloat16)
+    else:
+        op = _x_operand(w, INTERPRET)
+    return op
+
+
+@triton.jit
+def _w_f32(w):
+    """A plain weight tile (bf16 or int8 codes) in fp32, exactly."""
+    if w.dtype == tl.int8:  # noqa: SIM108 (one return after full if/else: see _out_cast)
+        v = w.to(tl.float32)
+    else:
+        v = _bf16_to_f32(w)
+    return v
+
+
+@triton.jit
+def _load_x(x_ptr, offs_m, m_ok, stride_xm, cols, k_hi):
+    """``x [BM, C]`` at the columns ``cols [C]``, zero past M and past ``k_hi``."""
+    mask = m_ok[:, None] & (cols[None, :] < k_hi)
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_w(ptrs, n_ok, cols, k_hi, EVEN: tl.constexpr):
+    """A weight tile ``[BN, C]`` at ``ptrs`` (columns ``cols [C]``): unmasked when ``EVEN`` (the
+    tiles cover N and the split bound), else zero past N and past ``k_hi``."""
+    if EVEN:
+        w = tl.load(ptrs)
+    else:
+        w = tl.load(ptrs, mask=n_ok[:, None] & (cols[None, :] < k_hi), other=0)
+    return w
+
+
+@triton.jit
+def _dense_step(
+    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, K,
+    USE_DOT: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_K`` step over a plain ``[N, K]`` weight (bf16, or int8 codes): load
+    ``x [BM, BK]`` and ``w [BN, BK]``, accumulate ``x @ w^T`` in fp32 (``USE_DOT=False``, one
+    row: FMAs into a ``[BN, BK]`` accumulator, reduced by the caller after the loop)."""
+    ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+    x = _load_x(x_ptr, offs_m, m_ok, stride_xm, ks, k_hi)  # [BM, BK]
+    w = _load_w(w_ptr + offs_n[:, None] * K + ks[None, :], n_ok, ks, k_hi, EVEN)  # [BN, BK]
+    if USE_DOT:
+        acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_w_operand(w, INTERPRET)), acc)
+    else:  # BLOCK_M == 1
+        acc += _w_f32(w) * _bf16_to_f32(x)
+    return acc
 
 
 @triton.jit

@@ -32,42 +32,15 @@ from torch import Tensor
 from specpilot.kernels.gemm_common import (
     MAX_SPLIT_K,
     GemmConfig,
-    _bf16_to_f32,
+    _block_m,
+    _dense_step,
     _split,
     _store_tile,
     _tile,
-    _x_operand,
     counter_buffer,
     default_config,
+    outputs,
 )
-
-
-@triton.jit
-def _q_operand(q, INTERPRET: tl.constexpr):
-    """int8 codes -> a ``tl.dot`` operand: bf16 on the GPU (exact), fp32 in the interpreter."""
-    if INTERPRET:
-        return q.to(tl.float32)
-    return q.to(tl.bfloat16)
-
-
-@triton.jit
-def _int8_step(
-    acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
-    USE_DOT: tl.constexpr, EVEN: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
-    x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-    q_ptrs = q_ptr + offs_n[:, None] * K + ks[None, :]
-    if EVEN:
-        q = tl.load(q_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0)
-    if USE_DOT:
-        acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_q_operand(q, INTERPRET)), acc)
-    else:  # BLOCK_M == 1
-        acc += q.to(tl.float32) * _bf16_to_f32(x)
-    return acc
 
 
 @triton.jit(do_not_specialize=["M", "split"])
@@ -105,14 +78,14 @@ def _int8_kernel(
     if INTERPRET:  # the interpreter cannot take a runtime range() bound (numpy >= 2)
         k0 = k_lo
         while k0 < k_hi:
-            acc = _int8_step(
+            acc = _dense_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
                 USE_DOT, EVEN, BLOCK_K, INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in range(k_lo, k_hi, BLOCK_K):
-            acc = _int8_step(
+            acc = _dense_step(
                 acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, q_ptr, K,
                 USE_DOT, EVEN, BLOCK_K, INTERPRET,
             )  # fmt: skip
@@ -152,17 +125,10 @@ def int8_matmul(
     cfg = cfg or default_config(m, n, k)
     if not cfg.use_dot and m != 1:
         raise ValueError("the FMA GEMV config (use_dot=False) takes one row")
-    bm = 1 if not cfg.use_dot else min(64, max(16, triton.next_power_of_2(m)))
+    bm = _block_m(m, cfg)
     split, k_split = _split(m, n, k, cfg, x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, bm), split)
-    if split > 1 and grid[0] * grid[1] > counters.numel():
-        raise ValueError("counter buffer too small for this split-K launch")
-    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    part = (
-        torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        if split > 1
-        else counters.view(torch.float32)
-    )
+    y, part = outputs(m, n, grid, counters, x.device, out_dtype)  # [M, N], [split, M, N]
     _int8_kernel[grid](
         x, q, scale, bias if bias is not None else x, y, part, counters,
         m, n, k, x.stride(0), y.stride(0), k_split, split,

@@ -55,8 +55,10 @@ from specpilot.kernels.gemm_common import (
     MAX_SPLIT_K,
     GemmConfig,
     _bf16_to_f32,
-    _bits_to_f32,
     _block_m,
+    _dense_step,
+    _load_w,
+    _load_x,
     _split,
     _store_tile,
     _tile,
@@ -87,29 +89,20 @@ def _w12_half(
 ):  # fmt: skip
     """Half a code group: the 32 columns ``kc`` whose codes are the low (or ``HIGH``) nibbles of
     ``cb [BN, 32]``; decode them and accumulate ``x[:, kc] @ w[:, kc]^T``."""
-    x_mask = m_ok[:, None] & (kc[None, :] < k_hi)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kc[None, :], mask=x_mask, other=0.0)
-    sm_ptrs = sm_ptr + offs_n[:, None] * stride_sm + kc[None, :]
-    if EVEN:
-        sm = tl.load(sm_ptrs)
-    else:
-        sm = tl.load(sm_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
+    x = _load_x(x_ptr, offs_m, m_ok, stride_xm, kc, k_hi)  # [BM, 32]
+    sm = _load_w(sm_ptr + offs_n[:, None] * stride_sm + kc[None, :], n_ok, kc, k_hi, EVEN)
     if PRMT:  # GPU only: the interpreter cannot run inline PTX
-        w = _decode_prmt(sm, cb, base_col * 0x800080, HIGH)  # [BN, 32]
-        if USE_DOT and W_AS_A:  # acc^T [BN, BM] += w @ x^T: the decoded tile is the A operand
-            acc = tl.dot(w, tl.trans(x), acc)
-        elif USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc)
-        else:  # BLOCK_M == 1
-            acc += w.to(tl.float32) * x.to(tl.float32)
+        w = _decode_prmt(sm, cb, base_col * 0x800080, HIGH)  # [BN, 32] bf16
     else:
         bits = _decode_ops(sm, cb, base_col, HIGH)  # [BN, 32]
-        if USE_DOT and W_AS_A:
-            acc = tl.dot(_bits_to_operand(bits, INTERPRET), tl.trans(_x_operand(x, INTERPRET)), acc)
-        elif USE_DOT:
-            acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_bits_to_operand(bits, INTERPRET)), acc)
-        else:  # BLOCK_M == 1
-            acc += _bits_to_f32(bits) * _bf16_to_f32(x)
+        if USE_DOT:
+            w = _bits_to_operand(bits, INTERPRET)
+        else:
+            w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    if PRMT and not USE_DOT:  # one row on the GPU: the hardware bf16 -> fp32 conversion (exact)
+        acc += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc = _dot_acc(acc, x, w, USE_DOT, W_AS_A, INTERPRET)
     return acc
 
 
@@ -144,11 +137,7 @@ def _v3_group(
     else:  # columns past K are zero bytes of the padded rows: only rows and the split bound
         lo = tl.load(sm_ptrs, mask=w_mask, other=0)
         hi = tl.load(sm_ptrs + HALF, mask=n_ok[:, None] & (kc[None, :] + HALF < k_hi), other=0)
-    x_lo = tl.load(
-        x_ptr + offs_m[:, None] * stride_xm + kc[None, :],
-        mask=m_ok[:, None] & (kc[None, :] < k_hi),
-        other=0.0,
-    )
+    x_lo = _load_x(x_ptr, offs_m, m_ok, stride_xm, kc, k_hi)  # [BM, 32]
     x_hi = tl.load(
         x_ptr + offs_m[:, None] * stride_xm + kc[None, :] + HALF,
         mask=m_ok[:, None] & (kc[None, :] + HALF < k_hi),
@@ -189,10 +178,7 @@ def _k_step(
             cb_ptrs = (
                 codes_ptr + offs_n[:, None] * codes_k + (kg // 2 + tl.arange(0, HALF))[None, :]
             )
-            if EVEN:
-                cb = tl.load(cb_ptrs)  # [BN, 32] uint8
-            else:
-                cb = tl.load(cb_ptrs, mask=n_ok[:, None] & (kc[None, :] < k_hi), other=0)
+            cb = _load_w(cb_ptrs, n_ok, kc, k_hi, EVEN)  # [BN, 32] uint8
             if V3:
                 acc = _v3_group(
                     acc, kg, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, sm_ptr, cb,
@@ -208,18 +194,10 @@ def _k_step(
                     cb, stride_sm, base_col, True, USE_DOT, EVEN, PRMT, W_AS_A, INTERPRET,
                 )  # fmt: skip
     else:
-        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        x_mask = m_ok[:, None] & (ks[None, :] < k_hi)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        w_ptrs = w_ptr + offs_n[:, None] * K + ks[None, :]
-        if EVEN:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks[None, :] < k_hi), other=0.0)
-        if USE_DOT:
-            acc = tl.dot(_x_operand(x, INTERPRET), tl.trans(_x_operand(w, INTERPRET)), acc)
-        else:
-            acc += _bf16_to_f32(w) * _bf16_to_f32(x)
+        acc = _dense_step(
+            acc, k0, k_hi, offs_m, offs_n, m_ok, n_ok, x_ptr, stride_xm, w_ptr, K,
+            USE_DOT, EVEN, BLOCK_K, INTERPRET,
+        )  # fmt: skip
     return acc
 
 

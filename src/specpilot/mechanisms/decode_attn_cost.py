@@ -32,7 +32,7 @@ from specpilot.kernels.decode_attn_plan import (
     split_plan,
     valid_splits,
 )
-from specpilot.mechanisms.saving import step_speedup
+from specpilot.mechanisms.saving import StepSaving
 
 ASSUMPTIONS = (
     "one CTA per SM streams at most bandwidth/SMs; every launch costs the same latency; "
@@ -51,7 +51,7 @@ class AttnTime:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeAttnPrediction:
+class DecodeAttnPrediction(StepSaving):
     split_kv: AttnTime
     """Per layer."""
     sdpa: AttnTime
@@ -63,10 +63,6 @@ class DecodeAttnPrediction:
     def saved_s(self) -> float:
         """Time taken off one forward (all layers; negative: the kernel loses)."""
         return self.layers * (self.sdpa.seconds - self.split_kv.seconds)
-
-    def speedup(self, step_s: float) -> float:
-        """A step of ``step_s`` with SDPA over the same step with split-KV attention."""
-        return step_speedup(step_s, self.saved_s)
 
 
 def _time(

@@ -92,7 +92,7 @@ the flag on the host and returns the stock call's argmax, as here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,13 +135,7 @@ class HeadStats:
     candidate_blocks: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return {
-            "calls": self.calls,
-            "rows": self.rows,
-            "certified_rows": self.certified_rows,
-            "stock_calls": self.stock_calls,
-            "candidate_blocks": self.candidate_blocks,
-        }
+        return asdict(self)
 
 
 def certify(

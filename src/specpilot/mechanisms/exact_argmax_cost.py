@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specpilot.mechanisms.saving import step_speedup
+from specpilot.mechanisms.saving import StepSaving
 
 ASSUMPTIONS = (
     "bandwidth-bound passes at the measured copy bandwidth; small kernels at kernel_s each "
@@ -30,7 +30,7 @@ ASSUMPTIONS = (
 
 
 @dataclass(frozen=True, slots=True)
-class ExactHeadPrediction:
+class ExactHeadPrediction(StepSaving):
     stock_s: float
     """The stock head (bytes / BW)."""
     cheap_s: float
@@ -49,10 +49,6 @@ class ExactHeadPrediction:
     @property
     def saved_s(self) -> float:
         return self.stock_s - self.graph_s
-
-    def speedup(self, step_s: float) -> float:
-        """Predicted speedup of a step of ``step_s`` seconds (stock head included)."""
-        return step_speedup(step_s, self.saved_s)
 
 
 def predict(

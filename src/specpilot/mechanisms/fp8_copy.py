@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specpilot.mechanisms.weight_copy import (
+    CopiedArgmaxHead,
     QuantWeight,
     channel_scales,
     copy_model,
-    copy_nbytes,
     dequantize,
 )
 from specpilot.models.transformer import Transformer
@@ -102,14 +102,11 @@ class Fp8Linear:
         return y.view(*x.shape[:-1], n)
 
 
-class Fp8ArgmaxHead:
+class Fp8ArgmaxHead(CopiedArgmaxHead):
     """``x [B, R, hidden] -> [B, R]`` greedy tokens of the FP8 LM head (lowest id on ties)."""
 
     def __init__(self, lm_head: Tensor, scaled_mm: bool = False) -> None:
-        self.linear = Fp8Linear(lm_head, scaled_mm)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.linear(x).argmax(dim=-1)
+        super().__init__(Fp8Linear(lm_head, scaled_mm))
 
 
 def fp8_model(
@@ -125,11 +122,6 @@ def fp8_model(
     )
 
 
-def fp8_nbytes(model: Transformer) -> int:
-    """Bytes of the FP8 copies installed in ``model`` (linear layers and LM head)."""
-    return copy_nbytes(model, Fp8Linear)
-
-
 __all__ = [
     "FP8",
     "FP8_MAX",
@@ -138,7 +130,6 @@ __all__ = [
     "Fp8Weight",
     "dequantize",
     "fp8_model",
-    "fp8_nbytes",
     "quantize",
     "scaled_mm_supported",
     "use_scaled_mm",

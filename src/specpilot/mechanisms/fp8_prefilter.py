@@ -44,7 +44,7 @@ is emulated (dequantized weights) and saves nothing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,13 +81,7 @@ class PrefilterStats:
 
     def as_dict(self) -> dict[str, float]:
         return {
-            "steps": self.steps,
-            "applied": self.applied,
-            "rows": self.rows,
-            "catch_up_rows": self.catch_up_rows,
-            "drafted": self.drafted,
-            "agreed": self.agreed,
-            "cut": self.cut,
+            **asdict(self),
             "agreed_frac": self.agreed / max(self.drafted, 1),
             "cut_frac": self.cut / max(self.drafted, 1),
         }

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from specpilot.config import ModelConfig
 from specpilot.mechanisms.fused_gemv import MATRIX_SETS
 from specpilot.mechanisms.l2_prefetch_cost import matrix_bytes
-from specpilot.mechanisms.saving import step_speedup
+from specpilot.mechanisms.saving import StepSaving
 
 ASSUMPTIONS = (
     "each removed kernel saves its measured time plus one launch gap; cuBLAS's split-K reduce "
@@ -84,7 +84,7 @@ class MatrixSaving:
 
 
 @dataclass(frozen=True, slots=True)
-class FusedGemvPrediction:
+class FusedGemvPrediction(StepSaving):
     matrices: tuple[MatrixSaving, ...]
     layers: int
 
@@ -97,10 +97,6 @@ class FusedGemvPrediction:
     def kernels_removed(self) -> int:
         """Kernels removed per forward."""
         return self.layers * sum(m.kernels_removed for m in self.matrices)
-
-    def speedup(self, step_s: float) -> float:
-        """A step of ``step_s`` without the mechanism over the same step with it."""
-        return step_speedup(step_s, self.saved_s)
 
 
 def gemv_alone_eff(

@@ -28,10 +28,10 @@ from torch import Tensor
 
 from specpilot.kernels import triton_usable
 from specpilot.mechanisms.weight_copy import (
+    CopiedArgmaxHead,
     QuantWeight,
     channel_scales,
     copy_model,
-    copy_nbytes,
     dequantize,
 )
 from specpilot.models.transformer import Transformer
@@ -87,14 +87,11 @@ class Int8Linear:
         return y.view(*x.shape[:-1], n)
 
 
-class Int8ArgmaxHead:
+class Int8ArgmaxHead(CopiedArgmaxHead):
     """``x [B, R, hidden] -> [B, R]`` greedy tokens of the INT8 LM head (lowest id on ties)."""
 
     def __init__(self, lm_head: Tensor, max_m: int = 64, use_triton: bool | None = None) -> None:
-        self.linear = Int8Linear(lm_head, max_m, use_triton)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.linear(x).argmax(dim=-1)
+        super().__init__(Int8Linear(lm_head, max_m, use_triton))
 
 
 def cheap_model(
@@ -111,17 +108,11 @@ def cheap_model(
     )
 
 
-def int8_nbytes(model: Transformer) -> int:
-    """Bytes of the INT8 copies installed in ``model`` (linear layers and LM head)."""
-    return copy_nbytes(model, Int8Linear)
-
-
 __all__ = [
     "Int8ArgmaxHead",
     "Int8Linear",
     "Int8Weight",
     "cheap_model",
     "dequantize",
-    "int8_nbytes",
     "quantize",
 ]

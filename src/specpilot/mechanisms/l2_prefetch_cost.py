@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from specpilot.config import ModelConfig
 from specpilot.mechanisms.l2_prefetch import NEXT_MATRIX, PHASE_SETS, MiB
-from specpilot.mechanisms.saving import step_speedup
+from specpilot.mechanisms.saving import StepSaving
 
 PHASE_KERNELS = {"input_norm": 1, "attention": 2, "post_attn_norm": 1, "silu_mul": 1}
 """Kernels the engine's layer body runs in each idle phase on CUDA (Triton RMSNorm; fused RoPE +
@@ -76,7 +76,7 @@ class PhaseSaving:
 
 
 @dataclass(frozen=True, slots=True)
-class L2PrefetchPrediction:
+class L2PrefetchPrediction(StepSaving):
     phases: tuple[PhaseSaving, ...]
     layers: int
 
@@ -84,10 +84,6 @@ class L2PrefetchPrediction:
     def saved_s(self) -> float:
         """Time taken off one forward (all layers)."""
         return self.layers * sum(p.saved_s for p in self.phases)
-
-    def speedup(self, step_s: float) -> float:
-        """A step of ``step_s`` without the mechanism over the same step with it."""
-        return step_speedup(step_s, self.saved_s)
 
 
 def predict(

@@ -43,7 +43,7 @@ or when the cheap model is far from the target.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from specpilot.drafters.base import Drafter, DraftRows
@@ -82,15 +82,7 @@ class TwoLevelStats:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def as_dict(self) -> dict[str, float]:
-        return {
-            "rows": self.rows,
-            "drafted": self.drafted,
-            "kept": self.kept,
-            "replaced": self.replaced,
-            "appended": self.appended,
-            "forwards": self.forwards,
-            "kept_frac": self.kept / max(self.drafted, 1),
-        }
+        return {**asdict(self), "kept_frac": self.kept / max(self.drafted, 1)}
 
 
 class TwoLevelDrafter(WrappedDrafter):

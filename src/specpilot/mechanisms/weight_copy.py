@@ -63,6 +63,17 @@ class CopiedLinear(Protocol):
         ...
 
 
+class CopiedArgmaxHead:
+    """``x [B, R, hidden] -> [B, R]`` greedy tokens of the LM head read through its quantized
+    copy ``linear`` (lowest id on ties)."""
+
+    def __init__(self, linear: CopiedLinear) -> None:
+        self.linear = linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.linear(x).argmax(dim=-1)
+
+
 def shared_model(target: Transformer) -> Transformer:
     """A :class:`Transformer` holding ``target``'s own tensors (nothing copied), for a cheap copy
     to replace its linear layers (``DecoderLayer.linear_fns``) and greedy head."""
@@ -114,6 +125,7 @@ def copy_nbytes(model: Transformer, kind: type[Copy]) -> int:
 
 __all__ = [
     "LINEAR_NAMES",
+    "CopiedArgmaxHead",
     "CopiedLinear",
     "QuantWeight",
     "channel_scales",

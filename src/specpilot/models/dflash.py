@@ -33,11 +33,11 @@ from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
 from specpilot.models.block_conv import BlockConv
+from specpilot.models.drafter_net import DrafterNet, drafter_layers
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout, additive
-from specpilot.models.rope import rope_tables
 from specpilot.models.transformer import Transformer
 
 KINDS = ("dflash", "dflash2")
@@ -112,9 +112,8 @@ class DFlashSpec:
 
     def num_params(self) -> int:
         """Stored parameters (embedding and LM head excluded: they are the target's)."""
-        c = self.layers
-        h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-        per = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + 2 * c.head_dim
+        c, h = self.layers, self.hidden_size
+        per = c.matrix_params() + 2 * h + 2 * c.head_dim  # + input/post norms, q/k norms
         if self.conv_kernel_size:
             per += 2 * (
                 2 * self.conv_kernel_size * h
@@ -143,19 +142,17 @@ class SelectorWeights(nn.Module):
         return unary + torch.einsum("br,bkr->bk", pred, succ)
 
 
-class DFlashNet(nn.Module):
+class DFlashNet(DrafterNet):
     """The drafter's own weights (``fc``, ``hidden_norm``, layers, ``norm``, DFlash2 parts) plus
     the target's embedding and LM head, shared and never registered as parameters."""
 
     def __init__(
         self, spec: DFlashSpec, target: Transformer, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
-        dev, dt = target.device, dtype or target.dtype
+        super().__init__(spec.layers, target, dtype)
+        dev, dt = target.device, self.dtype
         h = spec.hidden_size
         self.spec = spec
-        self.cfg = spec.layers
-        self.dtype = dt
         self.layers = nn.ModuleList(DecoderLayer(spec.layers, dt, dev) for _ in spec.layer_causal)
         self.fc = nn.Parameter(torch.empty(h, len(spec.target_layer_ids) * h, dtype=dt, device=dev))
         self.hidden_norm = nn.Parameter(torch.empty(h, dtype=dt, device=dev))
@@ -167,27 +164,10 @@ class DFlashNet(nn.Module):
                 layer.attention_conv = BlockConv(h, k, g, dt, dev)
                 layer.mlp_conv = BlockConv(h, k, g, dt, dev)
         self.selector = SelectorWeights(spec, dt, dev) if spec.selector_rank else None
-        self._target = (target,)  # a tuple: not a submodule, so never saved, moved or trained
-        cos, sin = rope_tables(spec.layers, target.max_positions, dev)
-        self.rope_cos: Tensor = cos  # [P, D] float32
-        self.rope_sin: Tensor = sin
-        self.argmax_head = None
         for prm in self.parameters():
             prm.requires_grad_(False)
 
     # --------------------------------------------------------------- what Forward reads
-    @property
-    def device(self) -> torch.device:
-        return self.fc.device
-
-    @property
-    def target(self) -> Transformer:
-        return self._target[0]
-
-    @property
-    def embed(self) -> Tensor:
-        return self.target.embed
-
     @property
     def lm_head(self) -> Tensor:
         return self.target.lm_head
@@ -310,16 +290,7 @@ def spec_for_target(
 ) -> DFlashSpec:
     """A full-attention drafter at ``target``'s width, heads and RoPE (what the trainer builds);
     ``dflash2``: ``conv_kernel_size``, ``conv_group_size``, ``selector_rank``, ``selector_top_k``."""
-    layers = dataclasses.replace(
-        target,
-        arch="qwen3",
-        qk_norm=True,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        num_layers=num_layers,
-        intermediate_size=intermediate_size or target.intermediate_size,
-        rope_scaling=target.rope_scaling,
-    )
+    layers = drafter_layers(target, "qwen3", True, num_layers, intermediate_size)
     ids = target_layer_ids or default_target_layers(target.num_layers, num_layers)
     return DFlashSpec(
         kind=kind,

@@ -21,7 +21,6 @@ normed embedding columns go in front of the normed hidden state. The embedding i
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,11 +29,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpilot.config import ModelConfig
+from specpilot.models.drafter_net import DrafterNet, drafter_layers
 from specpilot.models.forward import Forward
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layer import DecoderLayer
 from specpilot.models.layout import DenseLayout
-from specpilot.models.rope import rope_tables
 from specpilot.models.transformer import Transformer
 
 KIND = "eagle3"
@@ -80,25 +79,22 @@ class Eagle3Spec:
 
     def num_params(self) -> int:
         """Stored parameters (the embedding excluded: it is the target's; d2t/t2d excluded)."""
-        c = self.layer
-        h, q, kv, i = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
-        mid = 2 * h * (q + 2 * kv) + q * h + 3 * h * i + 3 * h
+        h = self.hidden_size
+        mid = self.layer.matrix_params(in_width=2 * h) + 3 * h  # q/k/v read [embeds ; hidden]
         return 3 * self.target_hidden_size * h + mid + h + self.draft_vocab_size * h
 
 
-class Eagle3Net(nn.Module):
+class Eagle3Net(DrafterNet):
     """The drafter's weights (``fc``, the midlayer, ``norm``, ``lm_head``, ``d2t``/``t2d``) plus
     the target's embedding, shared and never registered as a parameter."""
 
     def __init__(
         self, spec: Eagle3Spec, target: Transformer, dtype: torch.dtype | None = None
     ) -> None:
-        super().__init__()
-        dev, dt = target.device, dtype or target.dtype
+        super().__init__(spec.layer, target, dtype)
+        dev, dt = target.device, self.dtype
         c, h = spec.layer, spec.hidden_size
         self.spec = spec
-        self.cfg = c
-        self.dtype = dt
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=dt, device=dev), requires_grad=False)
@@ -114,25 +110,8 @@ class Eagle3Net(nn.Module):
         self.t2d: Tensor  # [V] bool: target ids in the draft vocabulary
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64, device=dev))  # fmt: skip
         self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool, device=dev))
-        self._target = (target,)  # a tuple: not a submodule, so never saved, moved or trained
-        cos, sin = rope_tables(c, target.max_positions, dev)
-        self.rope_cos: Tensor = cos  # [P, D] float32
-        self.rope_sin: Tensor = sin
-        self.argmax_head = None
 
     # --------------------------------------------------------------- what Forward reads
-    @property
-    def device(self) -> torch.device:
-        return self.fc.device
-
-    @property
-    def target(self) -> Transformer:
-        return self._target[0]
-
-    @property
-    def embed(self) -> Tensor:  # [V, H] the target's
-        return self.target.embed
-
     @property
     def lm_head(self) -> Tensor:  # [Vd, H] the drafter's own
         return self.draft_head
@@ -188,15 +167,7 @@ def spec_for_target(
     aux_layer_ids: Sequence[int] | None = None,
 ) -> Eagle3Spec:
     """A midlayer at ``target``'s width, heads and RoPE (what a trainer builds)."""
-    layer = dataclasses.replace(
-        target,
-        arch="llama",
-        qk_norm=False,
-        attention_bias=False,
-        tie_word_embeddings=False,
-        num_layers=1,
-        intermediate_size=intermediate_size or target.intermediate_size,
-    )
+    layer = drafter_layers(target, "llama", False, 1, intermediate_size)
     ids = tuple(aux_layer_ids) if aux_layer_ids else default_aux_layers(target.num_layers)
     return Eagle3Spec(layer, ids, draft_vocab_size or target.vocab_size, target.hidden_size)
 

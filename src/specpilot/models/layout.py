@@ -57,6 +57,15 @@ def block_mask(
     return additive(keys[None, None, :] < limit[:, :, None], groups, dtype)
 
 
+def rope_rows(
+    positions: Tensor,  # [M] int64
+    cos_table: Tensor,  # [P, D]
+    sin_table: Tensor,  # [P, D]
+) -> tuple[Tensor, Tensor]:  # cos, sin [M, 1, D]
+    """The RoPE tables gathered at the rows' positions, shaped for ``[M, H, D]`` heads."""
+    return cos_table[positions][:, None, :], sin_table[positions][:, None, :]
+
+
 @dataclass(slots=True)
 class DenseLayout:
     """``B`` sequences, ``T`` new tokens each, at cache slots ``start_b + t``."""
@@ -117,10 +126,7 @@ class DenseLayout:
     def cos_sin(self, cos_table: Tensor, sin_table: Tensor) -> tuple[Tensor, Tensor]:
         """``cos, sin [M, 1, D]`` gathered once per forward (the torch path of every layer)."""
         if self._cos_sin is None:
-            self._cos_sin = (
-                cos_table[self.positions][:, None, :],
-                sin_table[self.positions][:, None, :],
-            )
+            self._cos_sin = rope_rows(self.positions, cos_table, sin_table)
         return self._cos_sin
 
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
@@ -262,10 +268,7 @@ class PackedLayout:
 
     def cos_sin(self, cos_table: Tensor, sin_table: Tensor) -> tuple[Tensor, Tensor]:
         if self._cos_sin is None:
-            self._cos_sin = (
-                cos_table[self.positions][:, None, :],
-                sin_table[self.positions][:, None, :],
-            )
+            self._cos_sin = rope_rows(self.positions, cos_table, sin_table)
         return self._cos_sin
 
     def write_kv(self, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:

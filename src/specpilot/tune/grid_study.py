@@ -180,18 +180,17 @@ def study(
     grid_best = max((r for r in table.values() if r.forcing_ok), key=lambda r: r.tok_s)
 
     with tempfile.TemporaryDirectory() as tmp:
-        with MemoryStore(Path(tmp) / "a.sqlite") as store:
-            loop = run_loop(
-                base,
-                directions,
-                measure,
-                ar_tok_s,
-                store,
-                fp_a,
-                args.loop_fraction * grid_wall,
-                args,
-                f"{setting}/loop",
-            )
+
+        def loop_on(
+            memory: str, measure_fn: Measure, ar: float, fp: Fingerprint, budget: float, tag: str
+        ) -> TuneOutcome:
+            """One loop run with the memory file ``memory`` (in ``tmp``: new, or kept from before)."""
+            with MemoryStore(Path(tmp) / memory) as store:
+                return run_loop(
+                    base, directions, measure_fn, ar, store, fp, budget, args, f"{setting}/{tag}"
+                )
+
+        loop = loop_on("a.sqlite", measure, ar_tok_s, fp_a, args.loop_fraction * grid_wall, "loop")
         loop_cost = sum(t.result.wall_seconds for t in loop.trials)
         in_grid = table.get(config_hash(loop.best.config))
         loop_best_on_grid = in_grid.tok_s if in_grid is not None else float("nan")
@@ -200,30 +199,8 @@ def study(
         measure_b, ar_b = make(workloads["B"])
         fp_b = dataclasses.replace(fp_a, drafter=fp_a.drafter + " @B")
         budget_b = args.loop_fraction * grid_wall
-        with MemoryStore(Path(tmp) / "cold.sqlite") as cold_store:
-            cold = run_loop(
-                base,
-                directions,
-                measure_b,
-                ar_b,
-                cold_store,
-                fp_b,
-                budget_b,
-                args,
-                f"{setting}/B-cold",
-            )
-        with MemoryStore(Path(tmp) / "a.sqlite") as warm_store:
-            warm = run_loop(
-                base,
-                directions,
-                measure_b,
-                ar_b,
-                warm_store,
-                fp_b,
-                budget_b,
-                args,
-                f"{setting}/B-warm",
-            )
+        cold = loop_on("cold.sqlite", measure_b, ar_b, fp_b, budget_b, "B-cold")
+        warm = loop_on("a.sqlite", measure_b, ar_b, fp_b, budget_b, "B-warm")
     ref = max(cold.best.tok_s, warm.best.tok_s) * (1 - args.reach)
     cold_t, warm_t = time_to(cold, ref), time_to(warm, ref)
     return {
