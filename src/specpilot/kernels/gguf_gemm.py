@@ -12,8 +12,8 @@ float32 weights of the stock path. The vector inner loops are ``kernels/gguf_sim
 
 Shape of the work: the output rows are cut into chunks of ``ROWS`` (one ``prange`` task each).
 Each output row's weights are decoded in registers, 32 at a time, and multiplied at once into
-up to 8 rows of ``x`` (``gguf_simd.rows8`` .. ``rows1``; a verify of ``M`` rows decodes each
-weight ``ceil``-few times, not ``M`` times). Every row of ``x`` takes the same summation order
+up to 8 rows of ``x``, two weight rows at a time below 8 (``gguf_simd.rows8``, ``pair4`` ..; a
+verify of ``M`` rows decodes each weight ``ceil(M / 8)``-few times, not ``M`` times). Every row of ``x`` takes the same summation order
 whatever ``M`` (``gguf_simd``'s two chains); only that order differs from the stock path.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from numba import njit, prange
 
-from specpilot.kernels.gguf_simd import rows1, rows2, rows4, rows8
+from specpilot.kernels.gguf_simd import pair1, pair2, pair4, rows1, rows8
 
 ROWS = 32
 """Output rows per parallel task."""
@@ -36,16 +36,27 @@ def gemm(x, q, sc, mn, out, col0):  # type: ignore[no-untyped-def]
     srow = sc.shape[1]
     ncol = out.shape[1]
     for c in prange((n_rows + ROWS - 1) // ROWS):
-        for n in range(c * ROWS, min(n_rows, (c + 1) * ROWS)):
-            qo, so, r = n * qrow, n * srow, 0
-            while m - r >= 8:
-                rows8(x, r * k, k, q, qo, sc, mn, so, out, r * ncol + col0 + n, ncol)
-                r += 8
-            if m - r >= 4:
-                rows4(x, r * k, k, q, qo, sc, mn, so, out, r * ncol + col0 + n, ncol)
-                r += 4
-            if m - r >= 2:
-                rows2(x, r * k, k, q, qo, sc, mn, so, out, r * ncol + col0 + n, ncol)
-                r += 2
-            if m - r >= 1:
-                rows1(x, r * k, k, q, qo, sc, mn, so, out, r * ncol + col0 + n, ncol)
+        lo, hi = c * ROWS, min(n_rows, (c + 1) * ROWS)
+        r = 0
+        while r < m:  # blocks of 8, 4, 2, 1 rows of x; the chunk's weights stay in cache
+            b = 8 if m - r >= 8 else 4 if m - r >= 4 else 2 if m - r >= 2 else 1
+            n = lo
+            while n < hi:
+                qo, so, oo = n * qrow, n * srow, r * ncol + col0 + n
+                if b == 8:
+                    rows8(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    n += 1
+                elif n + 1 < hi:  # two weight rows at once: more FMA chains in flight
+                    if b == 4:
+                        pair4(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    elif b == 2:
+                        pair2(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    else:
+                        pair1(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    n += 2
+                else:  # an odd last weight row: each row of x alone (the same chains)
+                    for i in range(b):
+                        xo = (r + i) * k
+                        rows1(x, xo, k, q, qo, qrow, sc, mn, so, srow, out, oo + i * ncol, ncol)
+                    n += 1
+            r += b

@@ -4,7 +4,7 @@ Left to LLVM's loop vectorizer, a 16-code group decodes into scalar converts or 
 (seen in ``inspect_asm``), and its dot products pay run-time trip-count and aliasing checks on
 every group. Written as ``<16 x float>`` operations instead, one step of 32 weights is: one or
 two 16-byte loads, a zero/sign extension, int-to-float conversions, the decode, and two FMAs per
-row of ``x`` (``rows1`` .. ``rows8``: the weights decoded once for up to 8 rows).
+row of ``x`` (``rows8``, ``pair4`` ..: the weights decoded once for up to 8 rows).
 
 Exactness: each weight is ``llvm.fma(d, q, m)`` (or ``d * q`` without a min), one rounding of
 an exact product, so it is gguf's dequantized fp32 weight bit for bit (see ``gguf_gemm``); f16
@@ -122,13 +122,16 @@ def _xvec(context: Any, builder: Any, x_t: Any, x: Any, xo: Any, g: Any, half: i
     return _load(builder, _at(context, builder, x_t, x, off, _VF), 4)
 
 
-def _rows(r: int) -> Any:
-    """An intrinsic for ``r`` rows of ``x``: ``rows(x, xo, k, q, qo, sc, mn, so, out, oo, os)``
-    sets ``out[oo + i * os] = sum_k x[xo + i * k + k'] * w[k']`` for ``i < r``, the row's
-    weights decoded once per step for all ``r`` rows. ``mn`` None: no min (``d * q``)."""
+def _tile(r: int, nw: int) -> Any:
+    """An intrinsic for ``r`` rows of ``x`` and ``nw`` weight rows:
+    ``tile(x, xo, k, q, qo, qn, sc, mn, so, sn, out, oo, os)`` sets
+    ``out[oo + i * os + j] = sum_k' x[xo + i * k + k'] * w_j[k']`` for ``i < r``, ``j < nw``,
+    where weight row ``j`` has codes at ``qo + j * qn`` and scales at ``so + j * sn``. Each
+    step's weights are decoded once for all ``r`` rows; ``nw`` independent rows keep more FMA
+    chains in flight. ``mn`` None: no min (``d * q``)."""
 
     @intrinsic
-    def rows(typingctx, x, xo, k, q, qo, sc, mn, so, out, oo, os):
+    def tile(typingctx, x, xo, k, q, qo, qn, sc, mn, so, sn, out, oo, os):
         no_min = isinstance(mn, types.NoneType)
         if not (_c(x, q, sc, out) and (no_min or _c(mn))):
             return None
@@ -136,35 +139,52 @@ def _rows(r: int) -> Any:
             return None
 
         def codegen(context, builder, sig, args):
-            xv, xo_, k_, qv, qo_, scv, mnv, so_, outv, oo_, os_ = args
+            xv, xo_, k_, qv, qo_, qn_, scv, mnv, so_, sn_, outv, oo_, os_ = args
             tys = (q, sc, None if no_min else mn)
             zero = ir.Constant(_VF, [0.0] * 16)
             accs = [
-                (cgutils.alloca_once_value(builder, zero), cgutils.alloca_once_value(builder, zero))
+                [
+                    (
+                        cgutils.alloca_once_value(builder, zero),
+                        cgutils.alloca_once_value(builder, zero),
+                    )
+                    for _ in range(nw)
+                ]
                 for _ in range(r)
             ]
             xos = [builder.add(xo_, builder.mul(k_, _i(builder, i))) for i in range(r)]
+            qos = [builder.add(qo_, builder.mul(qn_, _i(builder, j))) for j in range(nw)]
+            sos = [builder.add(so_, builder.mul(sn_, _i(builder, j))) for j in range(nw)]
             steps = builder.sdiv(k_, _i(builder, 32))
             with cgutils.for_range(builder, steps) as loop:
                 g = loop.index
-                wa, wb = _group(context, builder, tys, (qv, scv, mnv), qo_, so_, g)
-                for (acc_a, acc_b), xrow in zip(accs, xos, strict=True):
+                ws = [
+                    _group(context, builder, tys, (qv, scv, mnv), qo, so, g)
+                    for qo, so in zip(qos, sos, strict=True)
+                ]
+                for row, xrow in zip(accs, xos, strict=True):
                     xa = _xvec(context, builder, x, xv, xrow, g, 0)
                     xb = _xvec(context, builder, x, xv, xrow, g, 16)
-                    builder.store(_fma(builder, wa, xa, builder.load(acc_a)), acc_a)
-                    builder.store(_fma(builder, wb, xb, builder.load(acc_b)), acc_b)
-            for i, (acc_a, acc_b) in enumerate(accs):
-                total = _hsum(builder, builder.fadd(builder.load(acc_a), builder.load(acc_b)))
-                at = builder.add(oo_, builder.mul(os_, _i(builder, i)))
-                builder.store(total, _at(context, builder, out, outv, at))
+                    for (acc_a, acc_b), (wa, wb) in zip(row, ws, strict=True):
+                        builder.store(_fma(builder, wa, xa, builder.load(acc_a)), acc_a)
+                        builder.store(_fma(builder, wb, xb, builder.load(acc_b)), acc_b)
+            for i, row in enumerate(accs):
+                for j, (acc_a, acc_b) in enumerate(row):
+                    total = _hsum(builder, builder.fadd(builder.load(acc_a), builder.load(acc_b)))
+                    at = builder.add(
+                        oo_, builder.add(builder.mul(os_, _i(builder, i)), _i(builder, j))
+                    )
+                    builder.store(total, _at(context, builder, out, outv, at))
             return context.get_dummy_value()
 
         i64 = types.int64
-        return types.none(x, i64, i64, q, i64, sc, mn, i64, out, i64, i64), codegen
+        sig = types.none(x, i64, i64, q, i64, i64, sc, mn, i64, i64, out, i64, i64)
+        return sig, codegen
 
-    return rows
+    return tile
 
 
-rows1, rows2, rows4, rows8 = (_rows(r) for r in (1, 2, 4, 8))
+rows1, rows8 = (_tile(r, 1) for r in (1, 8))
+pair1, pair2, pair4 = (_tile(r, 2) for r in (1, 2, 4))
 
-__all__ = ["rows1", "rows2", "rows4", "rows8"]
+__all__ = ["pair1", "pair2", "pair4", "rows1", "rows8"]
