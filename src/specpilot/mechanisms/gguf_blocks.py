@@ -154,7 +154,7 @@ NO_NUMBA = "numba is not installed (pip install numba)"
 
 def _screen(config: ConfigView) -> str | None:
     """Searched wherever it can install: a GGUF target and numba (it measured 1.33x plain fp32
-    AR on the 2-core CPU, docs/figures/issue-27.md); a trial elsewhere would install nothing."""
+    AR on the 2-core CPU, 1.27x at 06e9d10: docs/figures/issue-27.md); a trial elsewhere would install nothing."""
     from specpilot.errors import SpecPilotError
     from specpilot.loading.fetch import check_model_spec
 
