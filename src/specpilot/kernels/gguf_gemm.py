@@ -7,88 +7,56 @@ Two packed layouts hold every supported block type (``loading/gguf_blocks.py`` u
 * ``q8``: int8 codes, one fp32 scale per group of 16 (and a min, or none): ``w = d·q (+ m)``.
 
 ``d·q`` is exact in fp32 for every block type (at most 24 significant bits), so the fused
-multiply-add that ``fastmath={'contract'}`` allows rounds once, exactly as gguf's
-``(d * q) + m`` does: the kernel multiplies the very float32 weights of the stock path.
+multiply-add rounds once, exactly as gguf's ``(d * q) + m`` does: the kernel multiplies the very
+float32 weights of the stock path. The vector inner loops are ``kernels/gguf_simd.py``.
 
-Shape of the work: the output rows are cut into chunks of ``ROWS`` (one ``prange`` task each,
-one K-float row buffer per task, allocated once). Per output row the task decodes the row's
-weights into the buffer (L1-resident: K ≤ a few thousand floats) and takes one contiguous dot
-product per row of ``x``, so the decode is paid once for all ``M`` rows of the verify. Only the
-summation order differs from the stock path (``reassoc`` lets LLVM vectorize the dot), and it is
-the same for every row of ``x`` whatever the width ``M``: the same loop runs for each.
-
-The group length (16 bytes, 16 codes) is read from the arrays' shapes, not written as a
-literal: with a constant trip count LLVM unrolls the decode into scalar converts before its loop
-vectorizer sees it (measured 1.8x slower on AVX-512); with a run-time one it vectorizes it.
-The codes go through ``int32`` (numba would widen ``uint8 & 15`` to int64, whose conversion to
-float does not vectorize either).
+Shape of the work: the output rows are cut into chunks of ``ROWS`` (one ``prange`` task each).
+Each output row's weights are decoded in registers, 32 at a time, and multiplied at once into
+up to 8 rows of ``x``, two weight rows at a time below 8 (``gguf_simd.rows8``, ``pair4`` ..; a
+verify of ``M`` rows decodes each weight ``ceil(M / 8)``-few times, not ``M`` times). Every row of ``x`` takes the same summation order
+whatever ``M`` (``gguf_simd``'s two chains); only that order differs from the stock path.
 """
 
 from __future__ import annotations
 
-import numpy as np
 from numba import njit, prange
 
-_FM = {"reassoc", "contract"}
+from specpilot.kernels.gguf_simd import pair1, pair2, pair4, rows1, rows8
+
 ROWS = 32
-"""Output rows per parallel task (one decode buffer per task)."""
+"""Output rows per parallel task."""
 
 
-@njit(cache=True, fastmath=_FM, error_model="numpy", inline="always")
-def _dots(w, x, out, col):  # type: ignore[no-untyped-def]
-    """out[r, col] = sum_j w[j] * x[r, j] for every row r of x [M, K]; w [K] f32."""
-    for r in range(x.shape[0]):
-        xr = x[r]
-        s = np.float32(0.0)
-        for j in range(w.shape[0]):
-            s += w[j] * xr[j]
-        out[r, col] = s
-
-
-@njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
-def gemm_q4(x, qs, sc, mn, out, col0):  # type: ignore[no-untyped-def]
-    """out[m, col0 + n] = sum_k x[m, k] * w[n, k]; x [M, K] f32, qs [N, K/2] u8, sc/mn [N, K/32]."""
-    k = x.shape[1]
-    n_rows = qs.shape[0]
-    groups = sc.shape[1]
-    h = qs.shape[1] // groups  # 16 bytes a group, read from the shape: see the module docstring
-    f15, f4 = np.int32(15), np.int32(4)
+@njit(cache=True, parallel=True, error_model="numpy")
+def gemm(x, q, sc, mn, out, col0):  # type: ignore[no-untyped-def]
+    """out[m, col0 + n] = sum_k x[m, k] * w[n, k]; x [M, K] f32; q4: q [N, K/2] u8 with sc/mn
+    [N, K/32]; q8: q [N, K] i8 with sc (mn or None) [N, K/16]; scales f32 or f16 bits (u16)."""
+    m, k = x.shape
+    n_rows, qrow = q.shape
+    srow = sc.shape[1]
+    ncol = out.shape[1]
     for c in prange((n_rows + ROWS - 1) // ROWS):
-        w = np.empty(k, np.float32)  # [K] the row being decoded
-        for n in range(c * ROWS, min(n_rows, (c + 1) * ROWS)):
-            qrow, srow, mrow = qs[n], sc[n], mn[n]
-            for g in range(groups):
-                d, m0 = srow[g], mrow[g]
-                qg = qrow[g * h : (g + 1) * h]
-                lo = w[2 * g * h : (2 * g + 1) * h]
-                hi = w[(2 * g + 1) * h : (2 * g + 2) * h]
-                for j in range(h):
-                    lo[j] = d * np.float32(np.int32(np.int32(qg[j]) & f15)) + m0
-                for j in range(h):
-                    hi[j] = d * np.float32(np.int32(np.int32(qg[j]) >> f4)) + m0
-            _dots(w, x, out, col0 + n)
-
-
-@njit(cache=True, parallel=True, fastmath=_FM, error_model="numpy")
-def gemm_q8(x, q, sc, mn, has_min, out, col0):  # type: ignore[no-untyped-def]
-    """As :func:`gemm_q4` for int8 codes ``q [N, K]``, scales (and mins) ``[N, K/16]``."""
-    k = x.shape[1]
-    n_rows = q.shape[0]
-    groups = sc.shape[1]
-    h = k // groups  # 16 codes a group, read from the shape: see the module docstring
-    for c in prange((n_rows + ROWS - 1) // ROWS):
-        w = np.empty(k, np.float32)  # [K] the row being decoded
-        for n in range(c * ROWS, min(n_rows, (c + 1) * ROWS)):
-            qrow, srow, mrow = q[n], sc[n], mn[n]
-            for g in range(groups):
-                d = srow[g]
-                m0 = mrow[g] if has_min else np.float32(0.0)
-                wg = w[g * h : (g + 1) * h]
-                qg = qrow[g * h : (g + 1) * h]
-                if has_min:
-                    for j in range(h):
-                        wg[j] = d * np.float32(np.int32(qg[j])) + m0
-                else:
-                    for j in range(h):
-                        wg[j] = d * np.float32(np.int32(qg[j]))
-            _dots(w, x, out, col0 + n)
+        lo, hi = c * ROWS, min(n_rows, (c + 1) * ROWS)
+        r = 0
+        while r < m:  # blocks of 8, 4, 2, 1 rows of x; the chunk's weights stay in cache
+            b = 8 if m - r >= 8 else 4 if m - r >= 4 else 2 if m - r >= 2 else 1
+            n = lo
+            while n < hi:
+                qo, so, oo = n * qrow, n * srow, r * ncol + col0 + n
+                if b == 8:
+                    rows8(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    n += 1
+                elif n + 1 < hi:  # two weight rows at once: more FMA chains in flight
+                    if b == 4:
+                        pair4(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    elif b == 2:
+                        pair2(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    else:
+                        pair1(x, r * k, k, q, qo, qrow, sc, mn, so, srow, out, oo, ncol)
+                    n += 2
+                else:  # an odd last weight row: each row of x alone (the same chains)
+                    for i in range(b):
+                        xo = (r + i) * k
+                        rows1(x, xo, k, q, qo, qrow, sc, mn, so, srow, out, oo + i * ncol, ncol)
+                    n += 1
+            r += b

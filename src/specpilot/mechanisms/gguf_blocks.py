@@ -32,6 +32,17 @@ if TYPE_CHECKING:
     from specpilot.models.transformer import Transformer
 
 
+def _f16_bits(a: np.ndarray) -> np.ndarray:
+    """``a`` as f16 bits (uint16) where every value round-trips bit for bit (Q4_1 / Q8_0 scales
+    are f16 in the file): half the bytes, widened exactly in the kernel; else ``a`` (fp32)."""
+    h = a.astype(np.float16)
+    return (
+        h.view(np.uint16)
+        if np.array_equal(h.astype(np.float32).view(np.uint32), a.view(np.uint32))
+        else a
+    )
+
+
 class BlockLinear:
     """``fn(x [.., K], bias [N] | None) -> [.., N]`` over row segments of packed blocks."""
 
@@ -42,21 +53,21 @@ class BlockLinear:
         self.k = k
         self.n = sum(p.rows for p in parts)
         self._g = gguf_gemm
+        self._args = [
+            (p.codes, _f16_bits(p.sc), _f16_bits(p.mn) if p.has_min else None) for p in parts
+        ]
 
     def nbytes(self) -> int:
-        return sum(p.nbytes() for p in self.parts)
+        return sum(sum(a.nbytes for a in arrs if a is not None) for arrs in self._args)
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         x2 = x.reshape(-1, self.k).contiguous()  # [M, K] fp32
         out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)  # [M, N]
         xa, oa = x2.numpy(), out.numpy()
         col = 0
-        for p in self.parts:
-            if p.kind == "q4":
-                self._g.gemm_q4(xa, p.codes, p.sc, p.mn, oa, col)
-            else:
-                self._g.gemm_q8(xa, p.codes, p.sc, p.mn, p.has_min, oa, col)
-            col += p.rows
+        for codes, sc, mn in self._args:
+            self._g.gemm(xa, codes, sc, mn, oa, col)
+            col += codes.shape[0]
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], self.n)
@@ -137,16 +148,23 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     build.notes.append(f"gguf-blocks: {stats['bits_per_weight']:.2f} bits/weight")
 
 
-MEASURED_SLOWER = (
-    "its kernel measured 0.80x (0.75-1.09) plain fp32 AR on the 2-core CPU "
-    "(docs/figures/issue-27.md): not searched until the kernel beats the fp32 path; enable it "
-    "by hand to measure it on this machine"
-)
-"""Why the tuner does not try it: the measurement, not a guess (the screen goes with it)."""
+NO_BLOCKS = "the target is no GGUF file: there are no blocks to compute from"
+NO_NUMBA = "numba is not installed (pip install numba)"
 
 
 def _screen(config: ConfigView) -> str | None:
-    return MEASURED_SLOWER
+    """Searched wherever it can install: a GGUF target and numba (it measured 1.33x plain fp32
+    AR on the 2-core CPU, 1.27x at 06e9d10: docs/figures/issue-27.md); a trial elsewhere would install nothing."""
+    from specpilot.errors import SpecPilotError
+    from specpilot.loading.fetch import check_model_spec
+
+    try:
+        path = check_model_spec(config.deployment.target)
+    except SpecPilotError:
+        return NO_BLOCKS
+    if path.suffix.lower() != ".gguf":
+        return NO_BLOCKS
+    return NO_NUMBA if importlib.util.find_spec("numba") is None else None
 
 
 MECHANISM = Mechanism(
