@@ -110,7 +110,8 @@ def install(model: Transformer, path: str, threads: int = 0) -> dict[str, float]
 
     cfg = model.cfg
     blocks = read_blocks(Path(path), cfg.arch, cfg.num_heads, cfg.num_kv_heads)
-    numba.set_num_threads(threads or torch.get_num_threads())  # once, at install
+    # once, at install; more than numba's pool (this machine's cores) runs as many as there are
+    numba.set_num_threads(min(threads or torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     stored = weights = 0.0
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
