@@ -28,6 +28,7 @@ product uses the layer's ``[in, out]`` copy when the model keeps one
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
@@ -229,10 +230,7 @@ class Forward(Generic[NetT]):
             if out is not None:
                 return out
         k, v = k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len]
-        if q.is_cuda:
-            with sdpa_kernel(SDPA_BACKENDS):
-                attn = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
-        else:
+        with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
         return lay.gather(attn)  # attn: [B, H_kv, G*W, D]
 
