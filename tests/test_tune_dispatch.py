@@ -16,7 +16,7 @@ import pytest
 from specpilot.engine.config import DeploymentSpec, EngineConfig
 from specpilot.mechanisms import Knob
 from specpilot.memory import Fingerprint, MemoryStore
-from specpilot.tune.evaluate import TrialResult
+from specpilot.tune.evaluate import TrialResult, failed_trial
 from specpilot.tune.executors import StreamingExecutor
 from specpilot.tune.loop import TuneLoop, TuneOutcome, TuneSettings
 from specpilot.tune.space import Direction, config_hash
@@ -205,3 +205,33 @@ def test_a_probe_direction_tries_its_defaults_alone_first(tmp_path, make) -> Non
     assert per_round[(first["b"], "b")] == 1  # the probe: its defaults alone
     assert per_round[(first["k"], "k")] > 1
     assert loop._trials(probe) == 3  # proposed once: full rounds from now on
+
+
+@pytest.mark.parametrize("fault", ["build", "forcing"])
+def test_only_a_token_forcing_failure_quarantines_a_mechanism(tmp_path, fault) -> None:
+    """A mechanism's candidate that fails to build (a knob value the kernel refuses) is reported
+    as failed and the direction keeps its turn; one that ran and failed token forcing proves the
+    mechanism lossy here, and the direction is never tried again."""
+    mech = dataclasses.replace(DIRECTIONS[2], name="mechanism:m")
+
+    class Faulty(SerialExecutor):
+        def map(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
+            out = []
+            for c in configs:
+                if c.drafter_knobs["b"] != 1:
+                    out.append(score(c))
+                elif fault == "build":
+                    out.append(failed_trial(c, "RuntimeError: no such tiling", 0.01))
+                else:
+                    out.append(dataclasses.replace(score(c), forcing_ok=False))
+            return out
+
+    fp = Fingerprint("t", fault, "cpu", "", "", "", "fp32", "single")
+    logs: list[str] = []
+    with MemoryStore(tmp_path / "q.sqlite") as store:
+        settings = TuneSettings(rounds=3, trials_per_direction=3, explorer="local", min_gain=0.01)  # type: ignore[call-arg]
+        loop = TuneLoop(BASE, [mech], Faulty(), store, fp, "q", settings, log=logs.append)
+        loop.run()
+    text = "\n".join(logs)
+    assert ("mechanism:m quarantined" in text) == (fault == "forcing")
+    assert ("round 2: directions mechanism:m" in text) == (fault == "build")

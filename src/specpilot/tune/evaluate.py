@@ -76,6 +76,11 @@ class TrialResult:
         """Passed token forcing, built and ran, and its speedup is explained by the cost model."""
         return self.forcing_ok and self.error is None and self.anomaly is None
 
+    @property
+    def rejected(self) -> bool:
+        """Ran to the end and token forcing found a mismatch (a build or run failure is not this)."""
+        return not self.forcing_ok and self.error is None
+
     def spread_text(self) -> str:
         return self.ratio.text()
 

@@ -353,9 +353,10 @@ class TuneLoop:
                         eligible.append((p, r))
                     if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                         winners.append((p, r))
-                if d.name.startswith("mechanism:") and any(not r.forcing_ok for r in results):
+                if d.name.startswith("mechanism:") and any(r.rejected for r in results):
                     # One mismatch proves the mechanism is not lossless here; a later pass on other
-                    # prompts would only mean the fault was not triggered.
+                    # prompts would only mean the fault was not triggered. A candidate that failed
+                    # to build says nothing about the others: it is reported, not quarantined.
                     self.quarantined.add(d.name)
                     winners = [w for w in winners if w[0].explorer != d.name]
                     self.log(f"  {d.name} quarantined: a candidate with it failed token forcing")

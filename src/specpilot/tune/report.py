@@ -124,7 +124,7 @@ def write_report(
     charts = _charts(outcome, out_dir)
     stock, best = outcome.stock, outcome.best
     failed = [t for t in outcome.trials if t.result.error is not None]
-    rejected = [t for t in outcome.trials if not t.result.forcing_ok and t.result.error is None]
+    rejected = [t for t in outcome.trials if t.result.rejected]
     anomalies = [t for t in outcome.trials if t.result.anomaly]
     usage = outcome.usage
     be = break_even_tokens(usage.busy_seconds, stock.tok_s, best.tok_s)
