@@ -209,6 +209,7 @@ def test_tune_command_reports_workers_device_seconds_and_wall_time(cluster, tmp_
     assert main([*argv, "--workers", "2"]) == 0
     log = capsys.readouterr().out
     assert "search: 2 workers (Ray actors, on the CPU, no GPU used)" in log
+    assert "tuned:" in log and (out / "tuned.json").is_file()
     assert "worker w0 ready" in log and "worker w1 ready" in log
     search = json.loads((out / "run.json").read_text())["search"]
     assert search["executor"] == "ray" and search["workers"] == 2

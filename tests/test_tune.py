@@ -1,4 +1,5 @@
-"""The tune loop end to end on a tiny model: gate, integration, memory, resume, warm start, Ray."""
+"""The tune loop end to end on a tiny model: gate, integration, memory, resume, warm start (Ray:
+tests/test_ray_executor.py)."""
 
 from __future__ import annotations
 
@@ -239,28 +240,3 @@ def test_warm_start_reuses_validated_results_of_a_similar_deployment(tiny, tmp_p
     assert "reused from memory:" in log
     assert "gaps ranked by a profile of the stock engine: " in log  # the default ranking
     assert "Reused from memory" in (tmp_path / "b" / "report.md").read_text()
-
-
-def test_ray_executor_on_a_local_cluster(tiny, tmp_path, capsys):
-    pytest.importorskip("ray")
-    model, prompts = tiny
-    argv = tune_argv(
-        model,
-        prompts,
-        tmp_path / "out",
-        tmp_path / "mem.sqlite",
-        "--rounds",
-        "1",
-        "--executor",
-        "ray",
-        "--workers",
-        "2",
-    )
-    try:
-        assert main(argv) == 0
-    finally:
-        import ray
-
-        ray.shutdown()
-    assert (tmp_path / "out" / "tuned.json").is_file()
-    assert "tuned:" in capsys.readouterr().out
