@@ -406,16 +406,18 @@ def _group_forward() -> None:
         for i in range(model.cfg.num_layers):
             torch.testing.assert_close(c1.k[i][:, :, :31], c2.k[i][:, :, :31], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(c1.v[i][:, :, :31], c2.v[i][:, :, :31], rtol=1e-4, atol=1e-5)
+        if arch == "qwen3":  # the q/k norms are in the layouts above; the engine once is enough
+            continue
         eng = Engine(model, DraftModelDrafter(model, k=3), attn_bucket=16)
         assert eng.fwd.use_triton
-        res = generate(eng, PROMPTS, 12)
-        assert toks(res) == toks(generate(Engine(model, attn_bucket=16), PROMPTS, 12))
+        res = generate(eng, PROMPTS, 8)
+        assert toks(res) == toks(generate(Engine(model, attn_bucket=16), PROMPTS, 8))
         # the target as its own draft model accepts every draft, in every row (the fused
         # RMSNorm once read a strided view's rows as contiguous: rows past the first drafted
         # garbage, and equality alone could not see it)
         assert all(r.stats.accepted == r.stats.drafted for r in res), [r.stats for r in res]
-        want_ar = [plain_greedy(model, p, 12) for p in PROMPTS]
-        assert toks(generate(Engine(model), PROMPTS, 12)) == want_ar, arch
+        want_ar = [plain_greedy(model, p, 8) for p in PROMPTS]
+        assert toks(generate(Engine(model), PROMPTS, 8)) == want_ar, arch
     print("forward ok")
 
 
