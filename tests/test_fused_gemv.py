@@ -203,17 +203,17 @@ def _group_engine(arch: str) -> None:
     target.init_random(3, std=0.15)
     for layer in target.layers:
         layer.fused_steps = ComposedSteps(layer, MATRIX_SETS["all"], 4, cfg.rms_norm_eps)
-    composed = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 6))
+    composed = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 4))
     fused = install(target, "all", max_m=4, block_n=64, block_k=64)
-    ar = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 6))
+    ar = tokens(generate(torch_small_ops(Engine(target, fuse_residual=True)), prompts, 4))
     assert ar == composed, (arch, ar, composed)
     calls = sum(f.calls for f in fused)
-    assert calls >= 5 * cfg.num_layers * 4, calls  # every AR step (M = 2) went through them
+    assert calls >= 3 * cfg.num_layers * 4, calls  # every AR step (M = 2) went through them
     # prefill rows (> max_m) never reach the fused kernels; nor does the stock forward
     target(torch.tensor([prompts[1]]), target.allocate_cache(1, 32))  # M = 2, stock
     assert sum(f.calls for f in fused) == calls
     if arch == "llama":  # spec: one prompt, k = 3 -> verify rows M = 4, fused too
-        spec = tokens(generate(torch_small_ops(Engine(target, NgramDrafter(k=3))), prompts[:1], 6))
+        spec = tokens(generate(torch_small_ops(Engine(target, NgramDrafter(k=3))), prompts[:1], 4))
         assert spec == ar[:1] and sum(f.calls for f in fused) > calls, (spec, ar)
     else:  # W12 on qkv and gate_up: their norms fused into the W12 GEMV (M = 2: W12's GEMV)
         install_w12(target, layers="gate_up_qkv", max_m=4)

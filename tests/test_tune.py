@@ -183,7 +183,7 @@ def test_sigkill_then_resume_loses_no_finished_trial(tiny, tmp_path):
     model, prompts = tiny
     out, memory = tmp_path / "out", tmp_path / "mem.sqlite"
     argv = tune_argv(
-        model, prompts, out, memory, "--rounds", "3", "--min-gain", "-1"
+        model, prompts, out, memory, "--rounds", "2", "--min-gain", "-1"
     )  # never stops early
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
