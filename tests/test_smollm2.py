@@ -62,7 +62,7 @@ def test_stock_path_equals_transformers(smollm2):
     del ours, theirs
     tok = smollm2.tokenizer
     engine = Engine(smollm2.model)
-    for text in PROMPTS:
+    for text in PROMPTS[:2]:  # prose and code
         ids = tok.apply_chat_template([{"role": "user", "content": text}])
         ours = generate(engine, [ids], 64)[0].tokens  # no EOS: compare the full 64 tokens
         theirs = hf.generate(ids, 64, [])
@@ -96,7 +96,7 @@ def test_bench_copy_heavy_is_token_forcing_clean(tmp_path: Path, capsys):
     assert result["identical_to_ar"] == "2/2"
     assert result["acceptance"]["mean_accepted_len_incl_bonus"] > 1.5  # copying pays off
     assert len(out.read_text().splitlines()) == 4  # AR + spec per prompt (the last round)
-    assert result["rounds"] == 2 and result["verdict"] in ("faster", "slower", "within noise")
+    assert result["rounds"] == 2 and result["verdict"] == "undecided"  # a verdict needs 3 rounds
 
 
 def test_readme_generate_command(capsys):
