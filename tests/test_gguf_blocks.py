@@ -98,6 +98,38 @@ def test_every_tensor_of_the_real_gguf():
     assert seen == 211
 
 
+def test_small_ops_are_the_torch_paths():
+    """RoPE in one numba call is the torch path's, bit for bit (strided K/V views too); RMSNorm
+    differs only through the sum of squares (fp64 there, fp32 in torch): a few ulps at most,
+    and never in the rounding steps around it (a constant row: exact)."""
+    from specpilot.config import ModelConfig
+    from specpilot.kernels import reference
+    from specpilot.mechanisms.gguf_blocks import NumbaSmallOps
+    from specpilot.models.transformer import Transformer
+
+    cfg = ModelConfig(
+        arch="llama", vocab_size=64, hidden_size=96, intermediate_size=64, num_layers=1,
+        num_heads=3, num_kv_heads=1, head_dim=32, max_position_embeddings=64,
+    )  # fmt: skip
+    model = Transformer(cfg, dtype=torch.float32, max_positions=64)
+    fwd = model.stock_forward()
+    ops = NumbaSmallOps()
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 5 * 32, generator=g)  # [M, q + 2kv]
+    pos = torch.tensor([0, 3, 7, 20, 63])
+    cos, sin = model.rope_cos[pos][:, None], model.rope_sin[pos][:, None]  # [M, 1, D]
+    for x in (qkv[:, :96].reshape(5, 3, 32), qkv[:, 96:128].reshape(5, 1, 32)):
+        got = ops.rope(x, cos, sin)
+        assert got is not None and torch.equal(got, fwd._rope(x, cos, sin, None))
+    x, w = 3 * torch.randn(7, 96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
+    got, want = ops.rms_norm(x, w, 1e-5), reference.rms_norm_ref(x, w, 1e-5)
+    assert got is not None
+    assert int((got.view(torch.int32) - want.view(torch.int32)).abs().max()) <= 4
+    flat = torch.full((2, 96), 0.75)
+    assert torch.equal(ops.rms_norm(flat, w, 1e-5), reference.rms_norm_ref(flat, w, 1e-5))
+    assert ops.rms_norm(x.to(torch.bfloat16), w, 1e-5) is None  # fp32 only: torch runs others
+
+
 @pytest.mark.slow
 def test_engine_with_blocks_speculative_equals_ar():
     from specpilot.drafters import make_drafter
@@ -114,7 +146,7 @@ def test_engine_with_blocks_speculative_equals_ar():
     stock = generate(Engine(loaded.model), [ids], 32)[0].tokens
     # more threads than cores (the tuner's knob reaches 256): as many as there are
     stats = install(loaded.model, str(resolve_model("smollm2-135m")), threads=999)
-    assert stats["bits_per_weight"] < 9
+    assert stats["bits_per_weight"] < 9 and loaded.model.small_ops is not None
     ar = generate(Engine(loaded.model), [ids], 32)[0].tokens
     spec = generate(Engine(loaded.model, drafter=make_drafter("ngram", k=4)), [ids], 32)[0].tokens
     assert ar == spec

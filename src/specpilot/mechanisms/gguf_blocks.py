@@ -73,6 +73,31 @@ class BlockLinear:
         return out.view(*x.shape[:-1], self.n)
 
 
+class NumbaSmallOps:
+    """The forward's RMSNorm and RoPE on fp32 CPU tensors in one numba call each
+    (``kernels/gguf_small.py``; ``Transformer.small_ops``); None for anything else (the torch
+    path then runs)."""
+
+    def __init__(self) -> None:
+        from specpilot.kernels import gguf_small
+
+        self._k = gguf_small
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | None:  # [M, N]
+        if x.dim() != 2 or x.dtype != torch.float32 or w.dtype != torch.float32 or x.is_cuda:
+            return None
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self._k.rms_norm(x.numpy(), w.numpy(), eps, out.numpy())
+        return out
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:  # [M, H, D]
+        if x.dtype != torch.float32 or cos.dtype != torch.float32 or x.is_cuda:
+            return None
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._k.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy())
+        return out
+
+
 _FUSED = {
     "w_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "w_o": ("self_attn.o_proj",),
@@ -129,6 +154,7 @@ def install(model: Transformer, path: str, threads: int = 0) -> dict[str, float]
         model.lm_head_fn = lin
         stored += 8.0 * lin.nbytes()
         weights += float(model.lm_head.numel())
+    model.small_ops = NumbaSmallOps()
     return {"bits_per_weight": stored / max(weights, 1.0), "weights": weights}
 
 
@@ -185,4 +211,4 @@ MECHANISM = Mechanism(
     screen=_screen,
 )
 
-__all__ = ["MECHANISM", "BlockLinear", "install"]
+__all__ = ["MECHANISM", "BlockLinear", "NumbaSmallOps", "install"]

@@ -134,7 +134,9 @@ class Forward(Generic[NetT]):
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:  # [M, N] -> [M, N]
         if self._k is not None:
             return self._k.rms_norm(x, weight, self.cfg.rms_norm_eps)
-        return reference.rms_norm_ref(x, weight, self.cfg.rms_norm_eps)
+        ops = getattr(self.model, "small_ops", None)
+        y = None if ops is None else ops.rms_norm(x, weight, self.cfg.rms_norm_eps)
+        return reference.rms_norm_ref(x, weight, self.cfg.rms_norm_eps) if y is None else y
 
     @staticmethod
     def linear(layer: DecoderLayer, name: str, a: Tensor, b: Tensor | None = None) -> Tensor:
@@ -175,6 +177,10 @@ class Forward(Generic[NetT]):
         """Torch path: optional per-head RMSNorm, then rotate-half RoPE of ``x [M, H, D]``."""
         if norm_w is not None:
             x = reference.rms_norm_ref(x, norm_w, self.cfg.rms_norm_eps)
+        ops = getattr(self.model, "small_ops", None)
+        y = None if ops is None else ops.rope(x, cos, sin)
+        if y is not None:
+            return y
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x * cos + rotated * sin).to(x.dtype)

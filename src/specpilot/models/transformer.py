@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +25,15 @@ from specpilot.models.layout import DenseLayout
 from specpilot.models.rope import rope_tables
 
 DenseAttention = Callable[[Tensor, Tensor, Tensor, DenseLayout], Tensor | None]
+
+
+class SmallOps(Protocol):
+    """Plug point for the fp32 CPU forward's small ops (``Transformer.small_ops``)."""
+
+    def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | None: ...  # [M, N]
+
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None: ...  # [M, H, D]
+
 
 GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 """The matrices of a layer that also get an ``[in, out]`` copy on the CPU (add_gemv_copies)."""
@@ -78,6 +88,9 @@ class Transformer(nn.Module):
         # for dense layouts that carry their lengths (``Forward.attend``; e.g.
         # mechanisms/decode_attn.py). The stock forward never uses it.
         self.dense_attention: DenseAttention | None = None
+        # fp32 CPU RMSNorm / RoPE in one call each (``rms_norm(x, w, eps)``, ``rope(x, cos,
+        # sin)``: a tensor, or None to keep the torch ops; mechanisms/gguf_blocks.py).
+        self.small_ops: SmallOps | None = None
         cos, sin = rope_tables(cfg, max_positions or cfg.max_position_embeddings, dev)
         self.rope_cos: Tensor = cos  # [P, D] float32 (plain attributes: never saved or cast)
         self.rope_sin: Tensor = sin

@@ -1,0 +1,47 @@
+"""The small fp32 ops of a CPU forward in numba: RMSNorm and rotate-half RoPE, one call each.
+
+On the CPU the torch path spends about as long on these ops' ~20 dispatches per layer as the
+GGUF block kernels spend on the layer's matrices (SmolLM2-135M, 2 cores: ~12 ms of a ~27 ms
+token). Each kernel here is one dispatch over the same arithmetic:
+
+* ``rope``: ``x * cos + rotate_half(x) * sin``, two roundings of products and one of the sum,
+  as the torch path rounds them (numba emits no fused multiply-add unless asked): bit for bit
+  the torch path's output (tests/test_gguf_blocks.py);
+* ``rms_norm``: ``w * (x * (1 / sqrt(mean(x²) + eps)))`` with the same elementwise roundings;
+  the fp32 squares are summed in float64 and rounded once, where torch sums them in fp32 in
+  its vectorized order: the mean may differ by an ulp, so the output may too (the same kind of
+  difference as the block kernels' summation order; near-ties counted by token forcing).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, error_model="numpy")
+def rms_norm(x, w, eps, out):  # type: ignore[no-untyped-def]
+    """out[i] = w * (x[i] * (1 / sqrt(sum(x[i]²) / N + eps))); x, out [M, N] f32, w [N] f32."""
+    m, n = x.shape
+    e = np.float32(eps)
+    inv_n = np.float32(n)
+    for i in range(m):
+        s = 0.0  # float64: each square rounded to fp32 as torch's pow(2), summed nearly exactly
+        for j in range(n):
+            s += np.float32(x[i, j] * x[i, j])
+        r = np.float32(1.0) / np.sqrt(np.float32(s) / inv_n + e)
+        for j in range(n):
+            out[i, j] = w[j] * (x[i, j] * r)
+
+
+@njit(cache=True, error_model="numpy")
+def rope(x, cos, sin, out):  # type: ignore[no-untyped-def]
+    """out = x * cos + rotate_half(x) * sin; x, out [M, H, D] f32; cos, sin [M, 1, D] f32."""
+    m, h, d = x.shape
+    half = d // 2
+    for i in range(m):
+        for k in range(h):
+            for j in range(half):
+                out[i, k, j] = x[i, k, j] * cos[i, 0, j] + (-x[i, k, j + half]) * sin[i, 0, j]
+            for j in range(half, d):
+                out[i, k, j] = x[i, k, j] * cos[i, 0, j] + x[i, k, j - half] * sin[i, 0, j]
