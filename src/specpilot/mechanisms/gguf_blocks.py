@@ -4,12 +4,14 @@ quantized blocks (Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), dequantized inside a numba GEMM
 Plug point ``linear_weights``: ``apply`` reads the blocks (``loading/gguf_blocks.py``), fuses
 q/k/v and gate/up by rows as the network does, and installs :class:`BlockLinear` in every
 ``DecoderLayer.linear_fns`` and in ``Transformer.lm_head_fn``. The fp32 parameters stay (the
-stock reference); the kernels read ~4.5-9 bits per weight instead of 32.
+stock reference); the kernels read ~4.5-9 bits per weight instead of 32. It also sets
+``Transformer.small_ops`` (:class:`NumbaSmallOps`): RMSNorm and RoPE in one numba call each.
 
 Lossless: every block type's ``d·q`` is an exact fp32 product, so the fused multiply-add rounds
 once to exactly the weight gguf's dequantization gives (the stock path's fp32 weights, proven per
 block type and on every tensor of the real file by tests/test_gguf_blocks.py); only the fp32
-summation order differs, which the near-tie tolerance covers and token forcing checks.
+summation order differs (and RMSNorm's sum of squares, fp64 there; RoPE is bit for bit the
+torch path's), which the near-tie tolerance covers and token forcing checks.
 A machine without numba gets one line and keeps the fp32 path.
 """
 
