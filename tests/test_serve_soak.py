@@ -1,5 +1,5 @@
 """Soak: 32 concurrent clients (the official ``openai`` client) against ``specpilot serve`` on
-loopback for ``SPECPILOT_SOAK_SECONDS`` (default 25; set it higher for a longer soak), streamed and
+loopback for ``SPECPILOT_SOAK_SECONDS`` (default 20; set it higher for a longer soak), streamed and
 plain, chat and completions, prompts of 1 to ~120 tokens, stop strings, and clients that hang up
 at random (a plain request's timeout, a stream closed after its first text).
 
@@ -44,7 +44,7 @@ from test_serve import free_port
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-SECONDS = float(os.environ.get("SPECPILOT_SOAK_SECONDS", "25"))
+SECONDS = float(os.environ.get("SPECPILOT_SOAK_SECONDS", "20"))
 CLIENTS = 32
 CONTEXT = 240  # prompt + max_tokens (the tiny model's context is 243)
 

@@ -114,9 +114,9 @@ def test_the_shipped_drafter_is_lossless_and_learned(smollm2):
     drafter = build_drafter("dflash", smollm2, 4)
     assert drafter is not None and drafter.name == "dflash"
     tok = smollm2.tokenizer
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in PROMPTS]
-    want = [r.tokens for r in generate(Engine(smollm2.model), prompts, 48)]
-    res = generate(Engine(smollm2.model, drafter), prompts, 48)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in PROMPTS[:2]]
+    want = [r.tokens for r in generate(Engine(smollm2.model), prompts, 40)]
+    res = generate(Engine(smollm2.model, drafter), prompts, 40)
     assert [r.tokens for r in res] == want
     accepted = sum(sum(r.stats.accepted) for r in res)
     cycles = sum(r.stats.cycles for r in res)

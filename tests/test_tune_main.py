@@ -433,9 +433,9 @@ def test_smollm2_early_exit_drafter_equals_ar():
     assert tok is not None
     prompts = [tok.apply_chat_template(p.messages) for p in load_prompt_set("copy-heavy", 2)]
     eos = list(tok.eos_token_ids)
-    ar = [r.tokens for r in generate(Engine(smol.model), prompts, 32, eos)]
+    ar = [r.tokens for r in generate(Engine(smol.model), prompts, 24, eos)]
     for layers in early_exit_layers(smol.model.cfg.num_layers)[1:2]:  # 12 of 30
         drafter = build_drafter("draft-model", smol, 4, None, {"exit_layers": layers})
-        spec = generate(Engine(smol.model, drafter), prompts, 32, eos)
+        spec = generate(Engine(smol.model, drafter), prompts, 24, eos)
         assert [r.tokens for r in spec] == ar
         assert all(r.stats.mean_accepted_len > 1.0 for r in spec)
