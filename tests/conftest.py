@@ -107,11 +107,3 @@ def two_slot_server(model_dir: Path) -> Iterator[Any]:
     app = build_app(serve_args(model_dir, "--max-concurrency", "2"))
     with RunningServer(app, free_port()) as s:
         yield s
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that hold slow tests run first, each module's tests kept together (its module
-    fixtures are set up once): the long tests start while the other worker has short ones left,
-    instead of one of them ending the run alone."""
-    slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.module not in slow)  # stable: the order inside stays
