@@ -281,14 +281,14 @@ def test_the_loop_stops_inside_its_wall_clock_budget(tmp_path, explorer):
         pytest.importorskip("optuna")
     ex = SlowExecutor(0.05)
     settings = TuneSettings(
-        rounds=100, trials_per_direction=3, budget_seconds=0.5, explorer=explorer, min_gain=-1.0
-    )
+        rounds=100, trials_per_direction=3, budget_seconds=1.5, explorer=explorer, min_gain=-1.0
+    )  # 1.5 s: the loop's own bookkeeping leaves room for 3 trials on a loaded 2-core machine
     with MemoryStore(tmp_path / "m.sqlite") as store:
         loop = TuneLoop(BASE, [DIRECTION], ex, store, _fingerprint("a"), "a", settings, log=print)
         t0 = time.perf_counter()
         out = loop.run()
         wall = time.perf_counter() - t0
-        assert wall <= 0.5 + 0.05 + 0.1  # at most one slowest trial late (plus bookkeeping)
+        assert wall <= 1.5 + 0.05 + 0.1  # at most one slowest trial late (plus bookkeeping)
         assert out.rounds_run >= 1 and ex.calls >= 3
         assert len(store.trials(run=loop.run_id)) == ex.calls  # every finished trial is kept
         assert all(t.elapsed <= wall for t in out.trials)
