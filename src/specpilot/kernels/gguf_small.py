@@ -24,12 +24,12 @@ def rms_norm(x, w, eps, out):  # type: ignore[no-untyped-def]
     """out[i] = w * (x[i] * (1 / sqrt(sum(x[i]²) / N + eps))); x, out [M, N] f32, w [N] f32."""
     m, n = x.shape
     e = np.float32(eps)
-    inv_n = np.float32(n)
+    nf = np.float32(n)
     for i in range(m):
         s = 0.0  # float64: each square rounded to fp32 as torch's pow(2), summed nearly exactly
         for j in range(n):
             s += np.float32(x[i, j] * x[i, j])
-        r = np.float32(1.0) / np.sqrt(np.float32(s) / inv_n + e)
+        r = np.float32(1.0) / np.sqrt(np.float32(s) / nf + e)
         for j in range(n):
             out[i, j] = w[j] * (x[i, j] * r)
 
