@@ -128,6 +128,7 @@ def test_small_ops_are_the_torch_paths():
     flat = torch.full((2, 96), 0.75)
     assert torch.equal(ops.rms_norm(flat, w, 1e-5), reference.rms_norm_ref(flat, w, 1e-5))
     assert ops.rms_norm(x.to(torch.bfloat16), w, 1e-5) is None  # fp32 only: torch runs others
+    assert ops.rms_norm(x.requires_grad_(), w, 1e-5) is None  # training: torch's ops (autograd)
 
 
 @pytest.mark.slow

@@ -75,6 +75,11 @@ class BlockLinear:
         return out.view(*x.shape[:-1], self.n)
 
 
+def _plain(x: Tensor) -> bool:
+    """A CPU tensor numba may read (``Tensor.numpy`` refuses one that records autograd)."""
+    return not x.is_cuda and not x.requires_grad
+
+
 class NumbaSmallOps:
     """The forward's RMSNorm and RoPE on fp32 CPU tensors in one numba call each
     (``kernels/gguf_small.py``; ``Transformer.small_ops``); None for anything else (the torch
@@ -86,14 +91,14 @@ class NumbaSmallOps:
         self._k = gguf_small
 
     def rms_norm(self, x: Tensor, w: Tensor, eps: float) -> Tensor | None:  # [M, N]
-        if x.dim() != 2 or x.dtype != torch.float32 or w.dtype != torch.float32 or x.is_cuda:
+        if x.dim() != 2 or x.dtype != torch.float32 or w.dtype != torch.float32 or not _plain(x):
             return None
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         self._k.rms_norm(x.numpy(), w.numpy(), eps, out.numpy())
         return out
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None:  # [M, H, D]
-        if x.dtype != torch.float32 or cos.dtype != torch.float32 or x.is_cuda:
+        if x.dtype != torch.float32 or cos.dtype != torch.float32 or not _plain(x):
             return None
         out = torch.empty(x.shape, dtype=torch.float32)
         self._k.rope(x.numpy(), cos.numpy(), sin.numpy(), out.numpy())
