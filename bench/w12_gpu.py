@@ -211,9 +211,10 @@ def e2e(dev: torch.device, kernel: dict[str, Any], tiny: bool) -> dict[str, Any]
             eng.fwd._k = None
         return eng
 
-    stock = {w: engine().time_forward(w, iters) for w in (1, 16)}
+    reps = 1 if tiny else 3
+    stock = {w: engine().time_forward(w, iters, reps) for w in (1, 16)}
     stats = install_w12(target, layers="all", max_m=64)
-    w12 = {w: engine().time_forward(w, iters) for w in (1, 16)}
+    w12 = {w: engine().time_forward(w, iters, reps) for w in (1, 16)}
     out: dict[str, Any] = {"bits_per_weight": stats["bits_per_weight"], "widths": {}}
     for w in (1, 16):
         row = kernel.get(str(w), {}).get("layer_us", {})

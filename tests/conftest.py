@@ -71,9 +71,11 @@ def make_tiny():
 def run_interpreted(args: list[str], timeout: int = 240) -> str:
     """``python *args`` with ``TRITON_INTERPRET=1`` and the source tree on the path (the Triton
     kernels run on the CPU through the interpreter, which must be set before triton is
-    imported, hence the subprocess); asserts it exits 0 and returns its stdout."""
+    imported, hence the subprocess; ``tests/interp`` speeds the interpreter up); asserts it exits
+    0 and returns its stdout."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT / "src")}
+    path = os.pathsep.join((str(ROOT / "src"), str(ROOT / "tests" / "interp")))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     out = subprocess.run(
         [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
     )

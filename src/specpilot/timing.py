@@ -41,12 +41,13 @@ def time_call(
     iters: int,
     warmup: int = 2,
     clock: Callable[[], float] = time.perf_counter,
+    repeats: int = 3,
 ) -> float:
-    """Seconds per call of ``fn``: median of 3 bursts of ``iters`` calls, after ``warmup`` calls."""
+    """Seconds per call of ``fn``: the median of ``repeats`` bursts of ``iters`` calls, after
+    ``warmup`` calls."""
     for _ in range(warmup):
         fn()
-    runs = sorted(time_burst(fn, device, iters, clock) for _ in range(3))
-    return runs[1]
+    return statistics.median(time_burst(fn, device, iters, clock) for _ in range(repeats))
 
 
 def spread(xs: list[float]) -> dict[str, float]:

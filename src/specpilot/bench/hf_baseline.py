@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +24,10 @@ class HFBaseline:
         kwargs: dict[str, Any] = {"dtype": dtype}
         self.model: Any
         if path.is_file():
-            self.model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, **kwargs
-            )
+            with _gguf_parsed_once():
+                self.model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, **kwargs
+                )
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 str(path), local_files_only=True, **kwargs
@@ -65,3 +68,21 @@ class HFBaseline:
         seconds = time.perf_counter() - t0
         stop = "eos" if tokens and tokens[-1] in set(eos_ids) else "length"
         return make_record(prompt_id, "hf", meta, prompt_ids, tokens, stop, seconds)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF load, without its repeated work: it parses the file's metadata twice
+    (the config, then the weights; the 49k-token vocabulary of SmolLM2 costs ~5 s each time) and
+    rebuilds gguf's tensor-name table once per module of the model (~400 times, ~6 s). Both are
+    read-only and pure in their arguments, so one instance each serves every call of this load;
+    the modules are restored after."""
+    import gguf  # transformers imports both names from it at each call
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)  # type: ignore[misc,assignment]
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map  # type: ignore[misc]

@@ -417,8 +417,8 @@ class Engine:
         if self.profile:
             self.clock.mark()
 
-    def time_forward(self, width: int, iters: int = 20) -> float:
+    def time_forward(self, width: int, iters: int = 20, repeats: int = 3) -> float:
         """Seconds per target forward of ``width`` tokens per row (``engine/probes.py``)."""
         from specpilot.engine.probes import time_forward
 
-        return time_forward(self, width, iters)
+        return time_forward(self, width, iters, repeats)

@@ -38,10 +38,10 @@ def reference_continuation(engine: EngineView, n: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def time_forward(engine: EngineView, width: int, iters: int = 20) -> float:
+def time_forward(engine: EngineView, width: int, iters: int = 20, repeats: int = 3) -> float:
     """Seconds per target forward of ``width`` tokens per row (a verify of ``width - 1`` drafts)
-    at the current committed state, replayed like a cycle's verify (median of 3 runs of
-    ``iters``)."""
+    at the current committed state, replayed like a cycle's verify (one warm-up, then the
+    median of ``repeats`` runs of ``iters``; ``repeats=1`` for a smoke run)."""
     if width - 1 > engine.k_max:
         raise ValueError(f"width must be at most {engine.k_max + 1}, got {width}")
     attn_len = engine.bucket(max(engine.host.lens) - 1 + width)
@@ -50,4 +50,4 @@ def time_forward(engine: EngineView, width: int, iters: int = 20) -> float:
     def once() -> None:
         engine.runner.run(("time", width, attn_len), step, engine.state, engine.verify_graph_safe)
 
-    return time_call(once, engine.device, iters, warmup=1)
+    return time_call(once, engine.device, iters, warmup=1, repeats=repeats)
