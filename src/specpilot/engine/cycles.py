@@ -36,7 +36,8 @@ def ar_window(
     computes it while the host streams this window's tokens (a server's window of 4 steps
     otherwise leaves the device idle for the host's work between windows). Its rows go to
     ``engine.ahead`` (their device state is one step past the host mirror); the next window
-    reads that step back with its own. Not when a request waits for a row (``interrupt``), when
+    reads that step back with its own (as its first step when every row has one, so a window
+    still reads back as many tokens). Not when a request waits for a row (``interrupt``), when
     no row has room left, or with a verify head that may abstain. A row that ends meanwhile
     (stop token, length, cancel) drops the extra step with its row (``Engine.release``)."""
     h = engine.host
@@ -44,6 +45,8 @@ def ar_window(
     steps = min(engine.sync_every, limit or engine.sync_every)
     steps = max(1, min(steps, max(h.final[b] - h.lens[b] for b in rows)))
     ahead = {b: int(b in engine.ahead) for b in rows}
+    if steps > 1 and all(ahead.values()):  # the step ahead is this window's first
+        steps -= 1
     base = max(h.lens[b] + ahead[b] for b in rows)
     single = ahead[rows[0]] if len(rows) == 1 else 0  # the eager one-row step's host offset
     fences: list[Callable[[], None]] = []
