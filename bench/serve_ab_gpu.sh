@@ -25,8 +25,12 @@ for spec in "$@"; do
     --max-context ${MAX_CONTEXT:-2048} --port $port $flags > "$out/serve_$name.log" 2>&1 &
   names+=("$name"); ports+=($port); pids+=($!); port=$((port + 1))
 done
-for p in "${ports[@]}"; do
-  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$p/health" > /dev/null && break; sleep 1; done
+for i in "${!ports[@]}"; do  # up to 200 s each; a server that died is not waited for
+  for _ in $(seq 200); do
+    curl -sf "http://127.0.0.1:${ports[$i]}/health" > /dev/null && break
+    kill -0 "${pids[$i]}" 2> /dev/null || { echo "server ${names[$i]} died:"; tail -5 "$out/serve_${names[$i]}.log"; break; }
+    sleep 1
+  done
 done
 echo "servers up $(date +%T)"
 while [ -e "${HOLD:-/nonexistent}" ]; do sleep 1; done  # e.g. tests still running on the GPU
