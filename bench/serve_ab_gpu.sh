@@ -11,7 +11,8 @@
 # CUDA graphs on. ROUNDS (3) rounds of REQUESTS (16) requests of TOKENS (128) tokens over the
 # first 8 mt-bench prompts; one untimed round first (graph captures). Then, with the servers
 # gone, offline `specpilot bench` AR on the same directory (OFFLINE=0 skips it). HOLD=FILE:
-# the rounds wait while FILE exists (the servers load meanwhile).
+# the rounds wait while FILE exists (the servers load meanwhile). LEVELS=16,32: then each server
+# once at those concurrencies.
 set -u
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -46,6 +47,14 @@ for r in $(seq "$ROUNDS"); do
     load "${ports[$j]}" "r${r}_${names[$j]}" "$REQUESTS" | tee -a "$out/rounds.txt"
   done
 done
+if [ -n "${LEVELS:-}" ]; then  # e.g. LEVELS=16,32: each server once under concurrent load
+  for i in "${!names[@]}"; do
+    PYTHONPATH=/tmp/site:src timeout 150 $SP bench --mode serve --url "http://127.0.0.1:${ports[$i]}" \
+      --prompts mt-bench --limit 8 --concurrency "$LEVELS" --max-new-tokens "$TOKENS" \
+      --out "$out/load_${names[$i]}.json" 2>&1 | grep "concurrency " | sed "s/^/load_${names[$i]} /" \
+      | tee -a "$out/loads.txt"
+  done
+fi
 for i in "${!names[@]}"; do
   curl -s "http://127.0.0.1:${ports[$i]}/metrics" > "$out/metrics_${names[$i]}.txt"
   kill "${pids[$i]}"

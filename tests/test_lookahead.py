@@ -87,3 +87,32 @@ def test_lookahead_on_emulated_graphs(emulated_graphs: Callable[[Engine], None])
     sched = Scheduler(engine, slots=3, max_context=120, window=4, lookahead=True)
     got, ahead_steps, _ = _drive(sched, reqs, rng, None)
     assert got == want and ahead_steps > 0
+
+
+def test_decode_steps_cover_only_the_rows_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone request in a 4-row scheduler decodes in one-row forwards; with rows 0..2 in use
+    the steps cover the first 4 (a power of two); tokens equal single AR either way."""
+    from specpilot.models.forward import Forward
+
+    target = tiny_model(tiny_config(vocab=73), 1)
+    rng = random.Random(4)
+    reqs = make_requests(rng, target.cfg.vocab_size, 3)
+    reqs = [Request(r.id, r.prompt_ids, 30, frozenset()) for r in reqs]
+    real, rows_seen = Forward.run_layers, []
+
+    def run_layers(self: Forward, x: object, cache: object, lay: object, *a: object) -> object:
+        if lay.width == 1:  # type: ignore[attr-defined]  # an AR step (prompts here are longer)
+            rows_seen.append(lay.batch)  # type: ignore[attr-defined]
+        return real(self, x, cache, lay, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Forward, "run_layers", run_layers)
+    for look in (False, True):
+        engine = Engine(target, sync_every=4)
+        sched = Scheduler(engine, slots=4, max_context=120, window=4, lookahead=look)
+        rows_seen.clear()
+        assert {r.id: r.tokens for r in sched.run(reqs[:1])} == {"r0": single_ar(target, reqs[0])}
+        assert rows_seen and set(rows_seen) == {1}
+        rows_seen.clear()
+        got = {r.id: r.tokens for r in sched.run(reqs)}
+        assert got == {r.id: single_ar(target, r) for r in reqs}
+        assert 4 in rows_seen

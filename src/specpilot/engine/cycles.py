@@ -49,19 +49,21 @@ def ar_window(
         steps -= 1
     base = max(h.lens[b] + ahead[b] for b in rows)
     single = ahead[rows[0]] if len(rows) == 1 else 0  # the eager one-row step's host offset
+    live = engine.live_rows()  # the steps run over rows [0, live) only
     fences: list[Callable[[], None]] = []
     ran = 0
-    for s in range(steps):
-        if s > 0 and interrupt is not None:
-            if s >= 2:
-                fences[s - 2]()
-            if interrupt():
-                break
-        engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s + single)
-        engine.run_accept(0)
-        ran += 1
-        if interrupt is not None:
-            fences.append(engine.runner.fence())
+    with engine.first_rows(live):
+        for s in range(steps):
+            if s > 0 and interrupt is not None:
+                if s >= 2:
+                    fences[s - 2]()
+                if interrupt():
+                    break
+            engine.run_verify(1, engine.bucket(base + s), with_hidden=False, offset=s + single)
+            engine.run_accept(0)
+            ran += 1
+            if interrupt is not None:
+                fences.append(engine.runner.fence())
     steps = ran
     more = (
         lookahead
@@ -71,8 +73,11 @@ def ar_window(
     )
 
     def next_step() -> None:
-        engine.run_verify(1, engine.bucket(base + steps), with_hidden=False, offset=steps + single)
-        engine.run_accept(0)
+        with engine.first_rows(live):
+            engine.run_verify(
+                1, engine.bucket(base + steps), with_hidden=False, offset=steps + single
+            )
+            engine.run_accept(0)
 
     new = read_ar_steps(engine, rows, steps, next_step if more else None)
     engine.ahead.clear()

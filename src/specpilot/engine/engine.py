@@ -27,8 +27,9 @@ The engine implements :class:`~specpilot.drafters.base.DraftRows`, the view draf
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -228,6 +229,31 @@ class Engine:
                 self.runner.reset()  # graphs captured on the old buffers
             pg = self._prefill_graph = PrefillGraph(self.target, widths)
         return pg
+
+    def live_rows(self) -> int:
+        """Rows a decode step must cover: the first ``n`` (a power of two, at most the batch)
+        holding every decoding row; the scheduler fills the lowest free rows first."""
+        top = max((b + 1 for b, a in enumerate(self.host.active) if a), default=1)
+        return min(self.batch, 1 << (top - 1).bit_length())
+
+    @contextlib.contextmanager
+    def first_rows(self, n: int) -> Iterator[None]:
+        """Steps run meanwhile see rows ``0 .. n - 1`` only (views of the state, the cache and
+        the hidden buffers; graphs of their own). A lone request in a 32-row server then costs a
+        one-row forward, not a 32-row one. Rows past ``n`` must not be decoding."""
+        if n >= self.batch:
+            yield
+            return
+        saved = self._state, self.cache, self._final, self._hidden
+        st, cache, final, hidden = saved
+        assert st is not None and cache is not None and final is not None
+        self._state, self.cache, self._final = st.head(n), cache.slice(0, n), final[:n]
+        self._hidden = None if hidden is None else hidden[:, :n]
+        try:
+            with self.runner.variant(("rows", n)):
+                yield
+        finally:
+            self._state, self.cache, self._final, self._hidden = saved
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()
