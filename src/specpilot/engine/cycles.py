@@ -49,7 +49,9 @@ def ar_window(
         steps -= 1
     base = max(h.lens[b] + ahead[b] for b in rows)
     single = ahead[rows[0]] if len(rows) == 1 else 0  # the eager one-row step's host offset
-    live = engine.live_rows()  # the steps run over rows [0, live) only
+    # the steps run over rows [0, live) only; with a drafter (gated or capped-off windows) over
+    # every row, as its cycles do, so the gate weighs AR and speculation on the same rows
+    live = engine.live_rows() if engine.drafter is None else engine.batch
     fences: list[Callable[[], None]] = []
     ran = 0
     with engine.first_rows(live):
