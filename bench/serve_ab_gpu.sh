@@ -5,8 +5,10 @@
 #
 #   bash bench/serve_ab_gpu.sh OUT "name=SRCDIR:flags" ...    (run from the repository root)
 #
-# e.g. "base=../src:" "new=src:" "new-nolook=src:--no-lookahead". SRCDIR is put first on
-# PYTHONPATH (a second checkout's sources run the baseline). Each server: the 8B random directory
+# e.g. "base=../base/src:" "new=src:" "new-nolook=src:--no-lookahead". SRCDIR is put first on
+# PYTHONPATH (a second checkout's sources run the baseline; the 2026-12-04 rows of
+# docs/BENCHMARKS.md ran from a copy of this checkout in .carry/wt, the baseline from
+# `git archive d121bc2 src | tar -x -C .carry/base`, both carried). Each server: the 8B random directory
 # ($DIR, bench/make_hf_dir.py), bf16, --drafter none, --stream-window 4, --max-concurrency 32,
 # CUDA graphs on. ROUNDS (3) rounds of REQUESTS (16) requests of TOKENS (128) tokens over the
 # first 8 mt-bench prompts; one untimed round first (graph captures). Then, with the servers
