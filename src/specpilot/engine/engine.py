@@ -27,9 +27,8 @@ The engine implements :class:`~specpilot.drafters.base.DraftRows`, the view draf
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -39,8 +38,9 @@ from specpilot.engine.accept import accept_and_commit
 from specpilot.engine.cycles import ar_window, spec_cycle
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan
-from specpilot.engine.prefill_graph import PREFILL_WIDTHS, PrefillGraph
+from specpilot.engine.prefill_graph import GraphedPrefill, PrefillGraph
 from specpilot.engine.requests import check_fits
+from specpilot.engine.row_prefix import FirstRows
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
 from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
@@ -52,7 +52,7 @@ from specpilot.models.layout import DenseLayout, Layout, PackedLayout
 from specpilot.models.transformer import Transformer
 
 
-class Engine:
+class Engine(FirstRows, GraphedPrefill):
     """Greedy speculative decoding over the rows of a batch; ``drafter=None`` is plain AR."""
 
     def __init__(
@@ -215,45 +215,6 @@ class Engine:
         from specpilot.engine.probes import reference_continuation
 
         return reference_continuation(self, n)
-
-    def prefill_graph(self) -> PrefillGraph | None:
-        """The graphed prefill's buffers (made on first use), or None when it is off."""
-        widths = self.prefill_widths
-        if widths is None:
-            widths = PREFILL_WIDTHS if self.runner.use_graphs else ()
-        if not widths:
-            return None
-        pg = self._prefill_graph
-        if pg is None or pg.widths != tuple(widths):
-            if pg is not None:
-                self.runner.reset()  # graphs captured on the old buffers
-            pg = self._prefill_graph = PrefillGraph(self.target, widths)
-        return pg
-
-    def live_rows(self) -> int:
-        """Rows a decode step must cover: the first ``n`` (a power of two, at most the batch)
-        holding every decoding row; the scheduler fills the lowest free rows first."""
-        top = max((b + 1 for b, a in enumerate(self.host.active) if a), default=1)
-        return min(self.batch, 1 << (top - 1).bit_length())
-
-    @contextlib.contextmanager
-    def first_rows(self, n: int) -> Iterator[None]:
-        """Steps run meanwhile see rows ``0 .. n - 1`` only (views of the state, the cache and
-        the hidden buffers; graphs of their own). A lone request in a 32-row server then costs a
-        one-row forward, not a 32-row one. Rows past ``n`` must not be decoding."""
-        if n >= self.batch:
-            yield
-            return
-        saved = self._state, self.cache, self._final, self._hidden
-        st, cache, final, hidden = saved
-        assert st is not None and cache is not None and final is not None
-        self._state, self.cache, self._final = st.head(n), cache.slice(0, n), final[:n]
-        self._hidden = None if hidden is None else hidden[:, :n]
-        try:
-            with self.runner.variant(("rows", n)):
-                yield
-        finally:
-            self._state, self.cache, self._final, self._hidden = saved
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()

@@ -110,4 +110,27 @@ class PrefillGraph:
         return step
 
 
-__all__ = ["PREFILL_WIDTHS", "PrefillGraph"]
+class GraphedPrefill:
+    """Mixed into the engine: its graphed prefill, made on first use."""
+
+    target: Transformer
+    runner: Runner
+    prefill_widths: tuple[int, ...] | None
+    _prefill_graph: PrefillGraph | None
+
+    def prefill_graph(self) -> PrefillGraph | None:
+        """The graphed prefill's buffers (made on first use), or None when it is off."""
+        widths = self.prefill_widths
+        if widths is None:
+            widths = PREFILL_WIDTHS if self.runner.use_graphs else ()
+        if not widths:
+            return None
+        pg = self._prefill_graph
+        if pg is None or pg.widths != tuple(widths):
+            if pg is not None:
+                self.runner.reset()  # graphs captured on the old buffers
+            pg = self._prefill_graph = PrefillGraph(self.target, widths)
+        return pg
+
+
+__all__ = ["PREFILL_WIDTHS", "GraphedPrefill", "PrefillGraph"]
