@@ -187,3 +187,32 @@ def test_cuda_graphed_prefill_equals_eager(graphed: list[tuple[int, int, int]]) 
         report = force_tokens(target, records)
         assert report.mismatches == 0, report.first_mismatch()
     assert tokens(generate(engine, [[1, 2, 3]], 4))  # the engine still serves after re-opening
+
+
+def test_a_head_that_is_not_graph_safe_keeps_the_eager_prefill(
+    graphed: list[tuple[int, int, int]],
+) -> None:
+    """An LM-head plug without ``graph_safe`` (it may read the device on the host) is never put
+    inside the prefill step; the answer is the same."""
+    cfg = tiny_config(**CONFIGS[1])
+    target = tiny_model(cfg, 6)
+    reqs = _requests(random.Random(3), cfg.vocab_size)[:4]
+    want = {r.id: ar_tokens(target, [list(r.prompt_ids)], r.max_new_tokens)[0] for r in reqs}
+
+    class Head:
+        def __call__(self, h: torch.Tensor) -> torch.Tensor:  # [1, M, hidden] -> [1, M]
+            return torch.nn.functional.linear(h, target.lm_head).argmax(-1)
+
+    target.argmax_head = Head()  # type: ignore[assignment]
+    try:
+        engine = Engine(target)
+        engine.prefill_widths = WIDTHS
+        assert _serve(engine, reqs, 1, None) == want
+        assert not graphed
+        target.argmax_head.graph_safe = True  # type: ignore[union-attr]
+        engine = Engine(target)
+        engine.prefill_widths = WIDTHS
+        assert _serve(engine, reqs, 1, None) == want
+        assert graphed
+    finally:
+        target.argmax_head = None

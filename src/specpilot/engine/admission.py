@@ -78,7 +78,10 @@ def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int
     engine.ahead.difference_update(range(r0, r0 + b))  # their device state starts afresh
     drafter = engine.drafter
     layers = () if drafter is None else drafter.hidden_layers
-    graph = engine.prefill_graph() if b == 1 and starts[run[0]] == 0 and not layers else None
+    head = engine.target.argmax_head  # inside the graph: only a head that may be captured
+    plain = head is None or bool(getattr(head, "graph_safe", False))
+    one = b == 1 and starts[run[0]] == 0 and not layers and plain
+    graph = engine.prefill_graph() if one else None
     w = None if graph is None else graph.width(seg_lens[run[0]], engine.capacity)
     if graph is not None and w is not None:  # one row from slot 0: a graph per width bucket
         i = run[0]

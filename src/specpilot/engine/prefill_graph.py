@@ -15,7 +15,8 @@ own, runs as a fixed-shape step that the runner captures per width and replays:
   device index, so one graph serves every row); slots ``[n, w)`` of the row hold the padding's
   K/V, past its committed length ``n + 1``, where the next forward writes before any query
   reads (``models/kv_cache.py``);
-* the last real token's output and its argmax land in buffers of their own.
+* the last real token's output and its argmax land in buffers of their own (so a prefill takes
+  this path only when the model's ``argmax_head`` plug, if any, is graph-safe).
 
 On the CPU (and whenever the runner is eager) the same step runs eagerly, so the tests check the
 padded, scratch-cache path against plain AR token for token. Rounding: the products run over
