@@ -75,6 +75,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--no-lookahead",
+        dest="lookahead",
+        action="store_false",
+        help="read each AR window back before queuing the next one (default: the next window's "
+        "first step is queued behind the read-back, so the GPU computes while tokens stream)",
+    )
+    p.add_argument(
+        "--no-prefill-graphs",
+        dest="prefill_graphs",
+        action="store_false",
+        help="run every prefill eagerly (default on CUDA graphs: a one-row prefill from a graph "
+        "per width bucket, engine/prefill_graph.py)",
+    )
+    p.add_argument(
         "--segment-tokens",
         type=int,
         default=None,
@@ -147,7 +161,14 @@ def build_worker(
         raise SpecPilotError("Serving needs the target's tokenizer.")
     build = dep.build
     segment_tokens = resolve_segment_tokens(build.config, args.segment_tokens)
-    sched = build.scheduler(args.max_concurrency, segment_tokens, window=args.stream_window or None)
+    sched = build.scheduler(
+        args.max_concurrency,
+        segment_tokens,
+        window=args.stream_window or None,
+        lookahead=args.lookahead,
+    )
+    if not args.prefill_graphs:
+        sched.engine.prefill_widths = ()
     worker = EngineWorker(sched, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
     plan, meta = sched.engine.plan, dep.meta()
     engine = {

@@ -56,16 +56,29 @@ def redo_with_stock_head(
         accept()
 
 
-def read_ar_steps(engine: EngineView, rows: list[int], steps: int) -> dict[int, list[int]]:
-    """One read-back of up to ``steps`` AR steps since the host mirror: per row the tokens the
-    device committed (all ``steps`` unless the head abstained), added to the mirror."""
+def read_ar_steps(
+    engine: EngineView, rows: list[int], steps: int, after: Callable[[], None] | None = None
+) -> dict[int, list[int]]:
+    """One read-back of up to ``steps`` AR steps since the host mirror (one more for a row in
+    ``engine.ahead``): per row the tokens the device committed (all of them unless the head
+    abstained), added to the mirror. ``after``: work queued behind the read-back's copy (the
+    next window's first step), which the host does not wait for."""
     h, st = engine.host, engine.state
+    extra = {b: steps + (b in engine.ahead) for b in rows}
     lo = min(h.lens[b] for b in rows)
-    hi = max(h.lens[b] for b in rows) + steps
-    out = torch.cat([st.committed_len[:, None], st.tokens[:, lo:hi]], dim=1).cpu().tolist()
+    hi = max(h.lens[b] + extra[b] for b in rows)
+    gathered = torch.cat([st.committed_len[:, None], st.tokens[:, lo:hi]], dim=1)
+    if after is None:
+        out = gathered.cpu().tolist()
+    else:
+        back = gathered.to("cpu", non_blocking=True)  # pinned, before ``after`` in the stream
+        copied = engine.runner.fence()
+        after()
+        copied()
+        out = back.tolist()
     new = {}
     for b in rows:
-        n = min(out[b][0] - h.lens[b], steps)
+        n = min(out[b][0] - h.lens[b], extra[b])
         new[b] = out[b][1 + h.lens[b] - lo : 1 + h.lens[b] - lo + n]
         h.lens[b] += n
         h.contexts[b].extend(new[b])

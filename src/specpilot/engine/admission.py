@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from specpilot.drafters.base import Segment
 from specpilot.engine.requests import check_fits
@@ -72,33 +73,28 @@ def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int
     rows, prompts, starts, seg_lens, max_news = (
         adm.rows, adm.prompts, adm.starts, adm.seg_lens, adm.max_news
     )  # fmt: skip
-    st, cache, h, dev = engine.state, engine.cache, engine.host, engine.device
-    assert cache is not None
+    st, h = engine.state, engine.host
     r0, b = rows[run[0]], len(run)
-    width = max(seg_lens[i] for i in run)
-    padded = torch.zeros(b, width, dtype=torch.int64)
-    for j, i in enumerate(run):
-        s = starts[i]
-        padded[j, : seg_lens[i]] = torch.tensor(
-            list(prompts[i][s : s + seg_lens[i]]), dtype=torch.int64
-        )
-    tokens = padded.to(dev)  # [b, T]
-    start = torch.tensor([starts[i] for i in run], dtype=torch.int64, device=dev)  # [b]
+    engine.ahead.difference_update(range(r0, r0 + b))  # their device state starts afresh
     drafter = engine.drafter
     layers = () if drafter is None else drafter.hidden_layers
-    hidden = None
-    if layers:
-        cfg, dt = engine.target.cfg, engine.target.dtype
-        hidden = torch.empty(len(layers), b, width, cfg.hidden_size, dtype=dt, device=dev)
-    attn_len = engine.bucket(max(starts[i] + width for i in run))
-    host_start = starts[run[0]] if b == 1 and not engine.runner.use_graphs else None
-    view = cache.slice(r0, b)
-    x = engine.fwd.dense(tokens, view, start, attn_len, layers, hidden, host_start)  # [b*T, H]
+    head = engine.target.argmax_head  # inside the graph: only a head that may be captured
+    plain = head is None or bool(getattr(head, "graph_safe", False))
+    one = b == 1 and starts[run[0]] == 0 and not layers and plain
+    graph = engine.prefill_graph() if one else None
+    w = None if graph is None else graph.width(seg_lens[run[0]], engine.capacity)
+    if graph is not None and w is not None:  # one row from slot 0: a graph per width bucket
+        i = run[0]
+        ids = prompts[i][: seg_lens[i]]
+        assert engine.cache is not None
+        tokens = graph.run(engine.runner, st, engine.fwd, engine.cache, r0, ids, w).clone()
+        start, attn_len, hidden = graph.start, engine.bucket(seg_lens[i]), None
+        x_last, first = graph.x_last, graph.first  # [1, H], [1]
+    else:
+        tokens, start, x_last, attn_len, hidden = _eager_forward(engine, run, adm, layers)
+        first = engine.fwd.argmax(x_last)  # [b]
     done = [starts[i] + seg_lens[i] == len(prompts[i]) for i in run]
-    last = torch.tensor([j * width + seg_lens[i] - 1 for j, i in enumerate(run)], device=dev)
-    x_last = x.index_select(0, last)  # [b, H]
     engine.final_hidden[r0 : r0 + b, 0].copy_(x_last)  # the first token's logprobs read it
-    first = engine.fwd.argmax(x_last)  # [b]
     firsts = first.tolist()
     out: list[int | None] = []
     for j, i in enumerate(run):
@@ -129,3 +125,34 @@ def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int
     if drafter is not None:
         drafter.prefill(engine, Segment(r0, tokens, start, attn_len, hidden))
     return out
+
+
+def _eager_forward(
+    engine: EngineView, run: list[int], adm: Admission, layers: Sequence[int]
+) -> tuple[Tensor, Tensor, Tensor, int, Tensor | None]:
+    """The run's rows padded to its longest segment in one eager forward over their slice of
+    the cache. Returns the tokens ``[b, T]``, the starts ``[b]``, the last real token's output
+    ``[b, H]``, the attention length and the outputs of ``layers`` (for the drafter)."""
+    rows, prompts, starts, seg_lens = adm.rows, adm.prompts, adm.starts, adm.seg_lens
+    cache, dev = engine.cache, engine.device
+    assert cache is not None
+    r0, b = rows[run[0]], len(run)
+    width = max(seg_lens[i] for i in run)
+    padded = torch.zeros(b, width, dtype=torch.int64)
+    for j, i in enumerate(run):
+        s = starts[i]
+        padded[j, : seg_lens[i]] = torch.tensor(
+            list(prompts[i][s : s + seg_lens[i]]), dtype=torch.int64
+        )
+    tokens = padded.to(dev)  # [b, T]
+    start = torch.tensor([starts[i] for i in run], dtype=torch.int64, device=dev)  # [b]
+    hidden = None
+    if layers:
+        cfg, dt = engine.target.cfg, engine.target.dtype
+        hidden = torch.empty(len(layers), b, width, cfg.hidden_size, dtype=dt, device=dev)
+    attn_len = engine.bucket(max(starts[i] + width for i in run))
+    host_start = starts[run[0]] if b == 1 and not engine.runner.use_graphs else None
+    view = cache.slice(r0, b)
+    x = engine.fwd.dense(tokens, view, start, attn_len, layers, hidden, host_start)  # [b*T, H]
+    last = torch.tensor([j * width + seg_lens[i] - 1 for j, i in enumerate(run)], device=dev)
+    return tokens, start, x.index_select(0, last), attn_len, hidden

@@ -85,9 +85,11 @@ class EngineBuild(EngineParts):
         max_context: int | None = None,
         stock: bool = False,
         window: int | None = None,
+        lookahead: bool = False,
     ) -> Scheduler:
         """Continuous batching over this build's engine (``stock``: over batched plain AR;
-        ``window``: AR steps per read-back at most, :class:`Scheduler`)."""
+        ``window``: AR steps per read-back at most; ``lookahead``: the next window's first step
+        queued behind the read-back; :class:`Scheduler`)."""
         engine = self.stock_engine() if stock else self.engine()
         return Scheduler(
             engine,
@@ -95,6 +97,7 @@ class EngineBuild(EngineParts):
             segment_tokens=segment_tokens,
             max_context=max_context,
             window=window,
+            lookahead=lookahead,
         )
 
 

@@ -38,7 +38,9 @@ from specpilot.engine.accept import accept_and_commit
 from specpilot.engine.cycles import ar_window, spec_cycle
 from specpilot.engine.gate import SpecGate, gated_ar_window, resync_drafter
 from specpilot.engine.plans import ChainPlan, TreePlan
+from specpilot.engine.prefill_graph import GraphedPrefill, PrefillGraph
 from specpilot.engine.requests import check_fits
+from specpilot.engine.row_prefix import FirstRows
 from specpilot.engine.rows import IDLE_LEN, HostRows, RowState
 from specpilot.engine.runner import Runner
 from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
@@ -50,7 +52,7 @@ from specpilot.models.layout import DenseLayout, Layout, PackedLayout
 from specpilot.models.transformer import Transformer
 
 
-class Engine:
+class Engine(FirstRows, GraphedPrefill):
     """Greedy speculative decoding over the rows of a batch; ``drafter=None`` is plain AR."""
 
     def __init__(
@@ -112,6 +114,13 @@ class Engine:
         """Verifies (cycles or AR windows) redone with the stock head after its head abstained."""
         self.last_verify: tuple[Callable[[], None], Callable[[], None]] | None = None
         """The last cycle's verify and accept steps (redone when the verify head abstains)."""
+        self.prefill_widths: tuple[int, ...] | None = None
+        """Width buckets of the graphed one-row prefill (``engine/prefill_graph.py``); None:
+        ``PREFILL_WIDTHS`` when the runner uses graphs, else none (every prefill eager)."""
+        self._prefill_graph: PrefillGraph | None = None
+        self.ahead: set[int] = set()
+        """Rows whose device state is one AR step past the host mirror (``ar_window``'s
+        lookahead): the next read-back takes that step's token with its own."""
 
     # ------------------------------------------------------------------ sizes
     def context_margin(self) -> int:
@@ -223,6 +232,7 @@ class Engine:
             self._allocate(batch, self.slots)
         self.state.reset(cut=self.k_max)
         self.host = HostRows.idle(batch)
+        self.ahead = set()
         self.draft_caps = [None] * batch
         self.unsynced = {}
         if self.gate is not None:
@@ -284,6 +294,7 @@ class Engine:
         h.lens[row], h.final[row], h.contexts[row], h.active[row] = IDLE_LEN, IDLE_LEN, [], False
         if row in h.filled:
             h.filled.remove(row)
+        self.ahead.discard(row)
         self.unsynced.pop(row, None)
         self.draft_caps[row] = None
         if self.gate is not None:
@@ -292,11 +303,15 @@ class Engine:
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
     def step(
-        self, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+        self,
+        limit: int | None = None,
+        interrupt: Callable[[], bool] | None = None,
+        lookahead: bool = False,
     ) -> list[RowCommit]:
         """One cycle over every decoding row (up to ``sync_every`` AR steps without a drafter,
         or while the gate or the rows' draft caps have turned drafting off for every decoding
-        row; ``limit`` and ``interrupt`` bound such a window, :func:`ar_window`)."""
+        row; ``limit`` and ``interrupt`` bound such a window, :func:`ar_window`; ``lookahead``
+        queues the next window's first step behind its read-back, without a drafter only)."""
         if not any(self.host.active):
             return []
         t0, excluded0 = time.perf_counter(), self.times.excluded
@@ -305,7 +320,7 @@ class Engine:
         self.host.filled = []
         gate = self.gate
         if self.drafter is None:
-            out = self.ar_window(limit, interrupt)
+            out = self.ar_window(limit, interrupt, lookahead)
         elif self._capped_off():
             for b, a in enumerate(self.host.active):  # the drafter catches up when it drafts
                 if a:
@@ -327,11 +342,14 @@ class Engine:
         return all(c == 0 for c, a in zip(self.draft_caps, self.host.active, strict=True) if a)
 
     def ar_window(
-        self, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+        self,
+        limit: int | None = None,
+        interrupt: Callable[[], bool] | None = None,
+        lookahead: bool = False,
     ) -> list[RowCommit]:
         """Up to ``sync_every`` AR steps (``limit`` at most; ``interrupt`` may end it early)
         read back once (``engine/cycles.py``)."""
-        return ar_window(self, limit, interrupt)
+        return ar_window(self, limit, interrupt, lookahead)
 
     # ------------------------------------------------------------------ steps (used by plans)
     def verify_and_accept(self, verify: Callable[[], None], accept: Callable[[], None]) -> None:

@@ -100,6 +100,17 @@ class RowState:
         for name, value in snap.items():
             getattr(self, name).copy_(value)
 
+    def head(self, n: int) -> RowState:
+        """Rows ``0 .. n - 1`` (views: writes land in this state; ``cycle`` and ``halted`` are
+        shared)."""
+        shared = ("cycle", "halted")
+        return RowState(
+            **{
+                f: getattr(self, f) if f in shared else getattr(self, f)[:n]
+                for f in self.__dataclass_fields__
+            }
+        )
+
     def write_drafts(self, drafts: Sequence[Sequence[int]], buf: Tensor, k: int) -> list[int]:
         """Host drafts (row b: at most ``k`` tokens) into ``drafts``/``draft_lens`` through the
         pinned ``buf [B, k + 1]`` (one copy each, ordered on the stream); their lengths."""

@@ -47,7 +47,8 @@ class Runner:
     def variant(self, tag: Hashable) -> Iterator[None]:
         """Steps run meanwhile get graphs of their own (e.g. a verify redone with the stock
         head: same key, different work)."""
-        saved, self._variant = self._variant, tag
+        saved = self._variant
+        self._variant = tag if saved is None else (saved, tag)  # nested: both tell the graphs apart
         try:
             yield
         finally:
@@ -81,7 +82,8 @@ class Runner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread-local: CUDA work of other threads (a test's reference engine) may go on meanwhile
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             fn()
         self.captures += 1
         return graph

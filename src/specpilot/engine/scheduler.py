@@ -60,13 +60,16 @@ class Scheduler:
         segment_tokens: int | None = None,
         max_context: int | None = None,
         window: int | None = None,
+        lookahead: bool = False,
     ) -> None:
         """``segment_tokens``: prompt tokens a row in prefill feeds per step (None: the whole
         prompt at once). ``max_context``: the longest prompt + ``max_new_tokens`` a request may
         ask for (default: all the engine allows); every row is allocated for it once, so that
         captured graphs stay valid. ``window``: AR steps one step may run at most before its
         read-back (None: the engine's ``sync_every``, 16 on CUDA); a server streams each
-        step's tokens, so its inter-token latency is a window's time."""
+        step's tokens, so its inter-token latency is a window's time. ``lookahead``: each AR
+        window queues the next one's first step behind its read-back (``engine/cycles.py``),
+        so the device keeps computing while the caller handles the step's tokens."""
         if slots < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if segment_tokens is not None and segment_tokens < 1:
@@ -76,6 +79,7 @@ class Scheduler:
         if window is not None and window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
         self.window = window
+        self.lookahead = lookahead
         self.max_context = engine.max_context if max_context is None else max_context
         engine.open(slots, self.max_context)
         self.steps = 0
@@ -168,8 +172,10 @@ class Scheduler:
         started = self._prefill(report)
         decoding = [r for r in self._rows if r is not None and r.decoding]
         if decoding:
-            one = started or any(r.request.logprobs is not None for r in decoding)
-            for c in self.engine.step(1 if one else self.window, interrupt):
+            logprobs = any(r.request.logprobs is not None for r in decoding)
+            one = started or logprobs
+            look = self.lookahead and not logprobs  # a step ahead would overwrite their columns
+            for c in self.engine.step(1 if one else self.window, interrupt, look):
                 held = self._rows[c.row]
                 assert held is not None
                 report.rows_decoding += 1

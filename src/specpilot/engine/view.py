@@ -12,6 +12,7 @@ the protocol structurally (mypy checks it wherever the engine passes itself to a
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from specpilot.drafters.base import Drafter
+    from specpilot.engine.prefill_graph import PrefillGraph
     from specpilot.engine.rows import HostRows, RowState
     from specpilot.engine.runner import Runner
     from specpilot.engine.types import CycleTimes, PhaseClock, RowCommit
@@ -100,6 +102,7 @@ class EngineView(DraftRows, Protocol):
 
     host: HostRows
     unsynced: dict[int, int]
+    ahead: set[int]
 
     # ---- what the cycle records
     times: CycleTimes
@@ -116,11 +119,17 @@ class EngineView(DraftRows, Protocol):
     # ---- sizes
     def context_margin(self) -> int: ...
     def bucket(self, need: int) -> int: ...
+    def prefill_graph(self) -> PrefillGraph | None: ...
+    def live_rows(self) -> int: ...
+    def first_rows(self, n: int) -> contextlib.AbstractContextManager[None]: ...
     def room(self) -> list[int]: ...
 
     # ---- the steps
     def ar_window(
-        self, limit: int | None = None, interrupt: Callable[[], bool] | None = None
+        self,
+        limit: int | None = None,
+        interrupt: Callable[[], bool] | None = None,
+        lookahead: bool = False,
     ) -> list[RowCommit]: ...
     def verify_and_accept(self, verify: Callable[[], None], accept: Callable[[], None]) -> None: ...
     def run_draft(self) -> list[int] | None: ...

@@ -209,6 +209,7 @@ class EngineWorker:
             segment_tokens=old.segment_tokens,
             max_context=old.max_context,
             window=old.window,
+            lookahead=old.lookahead,
         )
         self.restarts += 1
         return self.scheduler
