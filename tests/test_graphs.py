@@ -27,7 +27,7 @@ from conftest import tiny_config, tiny_model
 from engine_cases import CASES, CONFIGS, ar_tokens, repetitive_prompt, tokens
 from specpilot.drafters import DraftModelDrafter
 from specpilot.engine import Engine, generate
-from specpilot.engine import engine as engine_mod
+from specpilot.engine import steps as engine_mod
 from specpilot.engine.plans import PackedPlan, TreePlan
 from specpilot.engine.rows import RowState
 from specpilot.engine.runner import Runner

@@ -338,7 +338,7 @@ def test_a_faulty_accept_is_caught(monkeypatch):
         block[:, :k] = torch.where(keep, state.drafts[:, :k], block[:, :k])
         commit_block(state, block, lens * state.active, abstain)
 
-    monkeypatch.setattr("specpilot.engine.engine.accept_and_commit", accept_all)
+    monkeypatch.setattr("specpilot.engine.steps.accept_and_commit", accept_all)
     cfg = tiny_config(vocab=59)
     target, draft = tiny_model(cfg, 0), tiny_model(cfg, 1)
     reqs = make_requests(random.Random(0), target, 4)

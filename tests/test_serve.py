@@ -308,7 +308,9 @@ def test_simulated_acceptance_is_labelled_and_lossless(model_dir, offline):
     from specpilot.commands.serve import startup_line
 
     tok, complete = offline
-    args = serve_args(model_dir, "--simulate-acceptance", "tau=3,block=5", "--max-concurrency", "2")
+    args = serve_args(  # no gate: its timing could turn drafting off on a loaded machine
+        model_dir, "--simulate-acceptance", "tau=3,block=5", "--max-concurrency", "2", "--no-gate"
+    )
     app = build_app(args)
     assert "simulated acceptance tau=3,block=5" in startup_line(app.state.settings)
     prompts = ["hello world", "hi hello hi", "world"]
