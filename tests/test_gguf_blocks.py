@@ -75,6 +75,10 @@ def test_products_match_fp32_at_every_verify_width(name: str):
         bound = 1e-5 * (x.double().abs() @ w.abs().t()).float() + 1e-30
         assert ((y[:, :n] - ref).abs() <= bound).all() and torch.equal(y[:, :n], y[:, n:])
         assert torch.equal(y[:1], lin(x[:1]))  # the same row sums alike at every width
+    x = torch.randn(2, 3, 2 * k)[..., ::2]  # [2, 3, K], strided: reshaped to [6, K] first
+    assert torch.equal(lin(x), lin(x.reshape(6, k).contiguous()).view(2, 3, 2 * n))
+    bias = torch.randn(2 * n)
+    assert torch.equal(lin(x[0], bias), lin(x[0].contiguous()) + bias)
 
 
 @pytest.mark.slow
@@ -128,6 +132,18 @@ def test_small_ops_are_the_torch_paths():
     flat = torch.full((2, 96), 0.75)
     assert torch.equal(ops.rms_norm(flat, w, 1e-5), reference.rms_norm_ref(flat, w, 1e-5))
     assert ops.rms_norm(x.to(torch.bfloat16), w, 1e-5) is None  # fp32 only: torch runs others
+    # parameters' numpy views are kept: each norm reads its own weight, updates in place included
+    layer = model.layers[0]
+    with torch.no_grad():
+        layer.input_norm.copy_(w)
+        layer.post_attn_norm.copy_(2 * w)
+    for _ in range(2):
+        for nw in (layer.input_norm, layer.post_attn_norm):
+            got, want = ops.rms_norm(x, nw, 1e-5), reference.rms_norm_ref(x, nw, 1e-5)
+            assert got is not None
+            assert int((got.view(torch.int32) - want.view(torch.int32)).abs().max()) <= 4
+        with torch.no_grad():
+            layer.post_attn_norm.mul_(-1)
     assert ops.rms_norm(x.requires_grad_(), w, 1e-5) is None  # training: torch's ops (autograd)
 
 
