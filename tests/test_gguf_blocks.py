@@ -125,6 +125,20 @@ def test_small_ops_are_the_torch_paths():
     for x in (qkv[:, :96].reshape(5, 3, 32), qkv[:, 96:128].reshape(5, 1, 32)):
         got = ops.rope(x, cos, sin)
         assert got is not None and torch.equal(got, fwd._rope(x, cos, sin, None))
+    # RoPE + K/V write of a one-row eager step (slots 9 .. 13): q, K and V as the torch path's
+    from specpilot.models.layout import DenseLayout
+
+    lay = DenseLayout.build(torch.tensor([9]), 5, 14, 3, torch.float32, host_start=9)
+    kv = torch.randn(2, 1, 1, 64, 32, generator=g)  # K, V caches [1, H_kv, S, D]
+    caches = [kv.clone(), kv.clone()]
+    qs = []
+    for small, (kc, vc) in zip((None, ops), caches, strict=True):
+        model.small_ops = small
+        qs.append(fwd.rope_write(model.layers[0], qkv, kc, vc, lay, cfg.num_heads))
+    model.small_ops = None
+    assert torch.equal(qs[0], qs[1]) and torch.equal(caches[0], caches[1])
+    assert not torch.equal(caches[0][:, :, :, 9:14], kv[:, :, :, 9:14])  # written there
+    assert torch.equal(caches[0][:, :, :, 14:], kv[:, :, :, 14:])  # and nowhere else
     x, w = 3 * torch.randn(7, 96, generator=g), 1 + 0.1 * torch.randn(96, generator=g)
     got, want = ops.rms_norm(x, w, 1e-5), reference.rms_norm_ref(x, w, 1e-5)
     assert got is not None

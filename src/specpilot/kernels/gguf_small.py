@@ -1,4 +1,5 @@
-"""The small fp32 ops of a CPU forward in numba: RMSNorm and rotate-half RoPE, one call each.
+"""The small fp32 ops of a CPU forward in numba: RMSNorm, rotate-half RoPE, and RoPE with the K/V
+write of a one-row eager step, one call each.
 
 On the CPU the torch path spends about as long on these ops' ~20 dispatches per layer as the
 GGUF block kernels spend on the layer's matrices (SmolLM2-135M, 2 cores: ~12 ms of a ~27 ms
@@ -7,6 +8,8 @@ token). Each kernel here is one dispatch over the same arithmetic:
 * ``rope``: ``x * cos + rotate_half(x) * sin``, two roundings of products and one of the sum,
   as the torch path rounds them (numba emits no fused multiply-add unless asked): bit for bit
   the torch path's output (tests/test_gguf_blocks.py);
+* ``rope_qkv_write``: the same RoPE of q and k from the fused q/k/v rows, k and v copied into
+  the cache at consecutive slots: bit for bit the torch path's rope, slice writes and q;
 * ``rms_norm``: ``w * (x * (1 / sqrt(mean(x²) + eps)))`` with the same elementwise roundings;
   the fp32 squares are summed in float64 and rounded once, where torch sums them in fp32 in
   its vectorized order: the mean may differ by an ulp, so the output may too (the same kind of
@@ -45,3 +48,33 @@ def rope(x, cos, sin, out):  # type: ignore[no-untyped-def]
                 out[i, k, j] = x[i, k, j] * cos[i, 0, j] + (-x[i, k, j + half]) * sin[i, 0, j]
             for j in range(half, d):
                 out[i, k, j] = x[i, k, j] * cos[i, 0, j] + x[i, k, j - half] * sin[i, 0, j]
+
+
+@njit(cache=True, error_model="numpy")
+def rope_qkv_write(qkv, q_heads, kv_heads, cos, sin, k_cache, v_cache, start, q_out):  # type: ignore[no-untyped-def]
+    """q_out[i, h] = rope(q[i, h]); k_cache[0, h, start + i] = rope(k[i, h]); v_cache likewise
+    (a copy). qkv [M, (Hq + 2 Hkv) D] f32; cos, sin [M, 1, D]; caches [1, Hkv, S, D] f32."""
+    m, d = qkv.shape[0], q_out.shape[2]
+    half = d // 2
+    k0, v0 = q_heads * d, (q_heads + kv_heads) * d
+    for i in range(m):
+        for h in range(q_heads):
+            o = h * d
+            for j in range(half):
+                q_out[i, h, j] = (
+                    qkv[i, o + j] * cos[i, 0, j] + (-qkv[i, o + j + half]) * sin[i, 0, j]
+                )
+            for j in range(half, d):
+                q_out[i, h, j] = qkv[i, o + j] * cos[i, 0, j] + qkv[i, o + j - half] * sin[i, 0, j]
+        for h in range(kv_heads):
+            o, s = k0 + h * d, start + i
+            for j in range(half):
+                k_cache[0, h, s, j] = (
+                    qkv[i, o + j] * cos[i, 0, j] + (-qkv[i, o + j + half]) * sin[i, 0, j]
+                )
+            for j in range(half, d):
+                k_cache[0, h, s, j] = (
+                    qkv[i, o + j] * cos[i, 0, j] + qkv[i, o + j - half] * sin[i, 0, j]
+                )
+            for j in range(d):
+                v_cache[0, h, s, j] = qkv[i, v0 + h * d + j]

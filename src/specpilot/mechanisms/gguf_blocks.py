@@ -83,9 +83,9 @@ def _plain(x: Tensor) -> bool:
 
 
 class NumbaSmallOps:
-    """The forward's RMSNorm and RoPE on fp32 CPU tensors in one numba call each
-    (``kernels/gguf_small.py``; ``Transformer.small_ops``); None for anything else (the torch
-    path then runs)."""
+    """The forward's RMSNorm, RoPE, and RoPE with the K/V write of a one-row eager step, on fp32
+    CPU tensors in one numba call each (``kernels/gguf_small.py``; ``Transformer.small_ops``);
+    None for anything else (the torch path then runs)."""
 
     def __init__(self) -> None:
         from specpilot.kernels import gguf_small
@@ -121,6 +121,29 @@ class NumbaSmallOps:
         out = np.empty(x.shape, dtype=np.float32)
         self._k.rope(x.numpy(), cos.numpy(), sin.numpy(), out)
         return torch.from_numpy(out)
+
+    def rope_write(
+        self,
+        qkv: Tensor,  # [M, (Hq + 2 Hkv) D]
+        q_heads: int,
+        cos: Tensor,  # [M, 1, D]
+        sin: Tensor,
+        k_cache: Tensor,  # [1, Hkv, S, D]
+        v_cache: Tensor,
+        start: int,
+    ) -> Tensor | None:  # q [M, Hq, D]; K/V written at slots start .. start + M - 1
+        tensors = (qkv, cos, sin, k_cache, v_cache)
+        if any(t.dtype != torch.float32 or not _plain(t) for t in tensors) or qkv.dim() != 2:
+            return None
+        hkv, d = k_cache.shape[1], k_cache.shape[3]
+        if k_cache.shape[0] != 1 or start + qkv.shape[0] > k_cache.shape[2]:
+            return None
+        q = np.empty((qkv.shape[0], q_heads, d), dtype=np.float32)
+        self._k.rope_qkv_write(
+            qkv.numpy(), q_heads, hkv, cos.numpy(), sin.numpy(), k_cache.numpy(),
+            v_cache.numpy(), start, q,
+        )  # fmt: skip
+        return torch.from_numpy(q)
 
 
 _FUSED = {

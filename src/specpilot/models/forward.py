@@ -209,6 +209,13 @@ class Forward(Generic[NetT]):
                 qkv.contiguous(), q_heads, hkv, d, lay.batch, lay.positions, *args,
                 k_cache, v_cache, lay.slots,
             )  # fmt: skip
+        ops = getattr(model, "small_ops", None)
+        start = lay.write_start if isinstance(lay, DenseLayout) else None  # one row, eager
+        if ops is not None and start is not None and q_heads > 0 and layer.q_norm is None:
+            cos, sin = lay.cos_sin(model.rope_cos, model.rope_sin)
+            q = ops.rope_write(qkv, q_heads, cos, sin, k_cache, v_cache, start)
+            if q is not None:
+                return lay.place_q(q, hkv)
         q_cols = q_heads * d
         k = qkv[:, q_cols : q_cols + hkv * d].reshape(m, hkv, d)
         v = qkv[:, q_cols + hkv * d :].reshape(m, hkv, d)

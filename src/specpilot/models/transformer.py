@@ -34,6 +34,17 @@ class SmallOps(Protocol):
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor | None: ...  # [M, H, D]
 
+    def rope_write(
+        self,
+        qkv: Tensor,  # [M, (Hq + 2 Hkv) D] fused q/k/v rows
+        q_heads: int,
+        cos: Tensor,  # [M, 1, D]
+        sin: Tensor,
+        k_cache: Tensor,  # [1, Hkv, S, D]
+        v_cache: Tensor,
+        start: int,
+    ) -> Tensor | None: ...  # q [M, Hq, D]; roped K and V written at slots start .. start + M - 1
+
 
 GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 """The matrices of a layer that also get an ``[in, out]`` copy on the CPU (add_gemv_copies)."""
