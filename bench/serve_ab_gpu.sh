@@ -14,7 +14,11 @@
 # first 8 mt-bench prompts; one untimed round first (graph captures). Then, with the servers
 # gone, offline `specpilot bench` AR on the same directory (OFFLINE=0 skips it). HOLD=FILE:
 # the rounds wait while FILE exists (the servers load meanwhile). LEVELS=16,32: then each server
-# once at those concurrencies.
+# at those concurrencies, PASSES (1) times, the order rotating every pass; LOAD_FIRST=1 runs
+# those passes first, on servers that served nothing yet (no untimed round before them), so
+# graph captures on first use land in the figures as they would for a fresh server's users.
+# e.g. the graph warm-up A/B: LEVELS=1,4,16,32 PASSES=2 LOAD_FIRST=1 ... "warm=src:" \
+# "cold=src:--no-warm-graphs". Ends with a table of each server's load passes (loads.txt).
 set -u
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -42,21 +46,30 @@ load() {  # $1 port, $2 label, $3 requests
     --prompts mt-bench --limit 8 --concurrency 1 --requests "$3" --max-new-tokens "$TOKENS" \
     --out "$out/$2.json" 2>&1 | grep "concurrency" | sed "s/^/$2 /"
 }
-for i in "${!names[@]}"; do load "${ports[$i]}" "warm_${names[$i]}" 8 > /dev/null; done
+for i in "${!names[@]}"; do grep -h "specpilot serve:" "$out/serve_${names[$i]}.log" | sed "s/^/${names[$i]}: /"; done
+levels() {  # each server PASSES times under concurrent load at LEVELS, the order rotating
+  [ -n "${LEVELS:-}" ] || return 0
+  for p in $(seq "${PASSES:-1}"); do
+    for i in "${!names[@]}"; do
+      j=$(( (i + p - 1) % ${#names[@]} ))
+      PYTHONPATH=/tmp/site:src timeout 150 $SP bench --mode serve --url "http://127.0.0.1:${ports[$j]}" \
+        --prompts mt-bench --limit 8 --concurrency "$LEVELS" --max-new-tokens "$TOKENS" \
+        --out "$out/load_p${p}_${names[$j]}.json" 2>&1 | grep "concurrency " \
+        | sed "s/^/load_p${p}_${names[$j]} /" | tee -a "$out/loads.txt"
+    done
+  done
+}
+[ "${LOAD_FIRST:-0}" = 1 ] && levels
+if [ "${ROUNDS}" -gt 0 ]; then
+  for i in "${!names[@]}"; do load "${ports[$i]}" "warm_${names[$i]}" 8 > /dev/null; done
+fi
 for r in $(seq "$ROUNDS"); do
   for i in "${!names[@]}"; do
     j=$(( (i + r) % ${#names[@]} ))  # the order rotates every round
     load "${ports[$j]}" "r${r}_${names[$j]}" "$REQUESTS" | tee -a "$out/rounds.txt"
   done
 done
-if [ -n "${LEVELS:-}" ]; then  # e.g. LEVELS=16,32: each server once under concurrent load
-  for i in "${!names[@]}"; do
-    PYTHONPATH=/tmp/site:src timeout 150 $SP bench --mode serve --url "http://127.0.0.1:${ports[$i]}" \
-      --prompts mt-bench --limit 8 --concurrency "$LEVELS" --max-new-tokens "$TOKENS" \
-      --out "$out/load_${names[$i]}.json" 2>&1 | grep "concurrency " | sed "s/^/load_${names[$i]} /" \
-      | tee -a "$out/loads.txt"
-  done
-fi
+[ "${LOAD_FIRST:-0}" = 1 ] || levels
 for i in "${!names[@]}"; do
   curl -s "http://127.0.0.1:${ports[$i]}/metrics" > "$out/metrics_${names[$i]}.txt"
   kill "${pids[$i]}"
@@ -67,8 +80,20 @@ if [ "${OFFLINE:-1}" = 1 ]; then
     --max-new-tokens "$TOKENS" --rounds 3 > "$out/offline.log" 2>&1
   tail -n 12 "$out/offline.log"
 fi
-python3 - "$out/rounds.txt" <<'EOF'
+touch "$out/rounds.txt" "$out/loads.txt"
+python3 - "$out/rounds.txt" "$out/loads.txt" <<'EOF'
 import re, statistics, sys
+num = r"([\d.]+)"
+pat = (rf"load_p(\d+)_(\S+)\s+concurrency\s+(\d+): \S+ ok\s+TTFT p50 {num} p99 {num} ms\s+"
+       rf"TPOT p50 {num} ms\s+ITL p50 {num} p99 {num} ms\s+{num} tok/s")
+loads = [re.match(pat, line) for line in open(sys.argv[2])]
+if any(loads):
+    print(f"{'server':<10} {'conc':>4} {'pass':>4} {'TTFT p50/p99 ms':>16} {'p99/p50':>7} "
+          f"{'TPOT ms':>7} {'ITL p50/p99 ms':>15} {'tok/s':>9}")
+    for m in sorted((m for m in loads if m), key=lambda m: (m[2], int(m[3]), int(m[1]))):
+        p, name, c, t50, t99, tpot, i50, i99, tps = m.groups()
+        print(f"{name:<10} {c:>4} {p:>4} {t50:>7}/{t99:<8} {float(t99) / float(t50):>7.2f} "
+              f"{tpot:>7} {i50:>7}/{i99:<7} {tps:>9}")
 rows = {}
 for line in open(sys.argv[1]):
     m = re.match(r"r\d+_(\S+) .*TTFT p50 ([\d.]+) p99 ([\d.]+) ms\s+TPOT p50 ([\d.]+).*?([\d.]+) tok/s", line)

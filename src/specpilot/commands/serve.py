@@ -89,6 +89,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "per width bucket, engine/prefill_graph.py)",
     )
     p.add_argument(
+        "--no-warm-graphs",
+        dest="warm_graphs",
+        action="store_false",
+        help="capture each step's CUDA graph on first use (default on CUDA graphs: every shape "
+        "the steps can meet is captured at startup, before /health answers, so no request "
+        "stalls for a capture; engine/warmup.py)",
+    )
+    p.add_argument(
         "--segment-tokens",
         type=int,
         default=None,
@@ -132,9 +140,11 @@ def startup_line(settings: ServeSettings) -> str:
     """What the server runs, in one line (``simulated acceptance`` in it when it is)."""
     e = settings.engine
     mechs = ", ".join(e["mechanisms"]) or "none"
+    warm = e.get("warm_graphs")
+    graphs = "" if warm is None else f" · {warm}"
     return (
         f"{settings.model_name} · drafter {e['drafter']} · plan {e['plan']} · mechanisms {mechs} "
-        f"· {e['runner']} · {e['slots']} slots · context {settings.context} "
+        f"· {e['runner']}{graphs} · {e['slots']} slots · context {settings.context} "
         f"· body ≤ {settings.body_limit} bytes"
     )
 
@@ -169,6 +179,14 @@ def build_worker(
     )
     if not args.prefill_graphs:
         sched.engine.prefill_widths = ()
+    warmed = None  # the startup line says what was captured, and in how long
+    if sched.engine.runner.use_graphs:
+        warmed = "graphs captured on first use"
+        if getattr(args, "warm_graphs", True):
+            from specpilot.engine.warmup import warm_graphs
+
+            progress.phase("capturing the CUDA graphs of every step shape")
+            warmed = warm_graphs(sched).summary()
     worker = EngineWorker(sched, tok, dep.eos_ids, ServerMetrics(), audit_rate=args.audit_rate)
     plan, meta = sched.engine.plan, dep.meta()
     engine = {
@@ -182,6 +200,7 @@ def build_worker(
         "device": meta["device"],
         "slots": sched.num_slots,
         "segment_tokens": segment_tokens,
+        "warm_graphs": warmed,
     }
     return worker, engine
 

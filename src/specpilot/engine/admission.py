@@ -69,6 +69,15 @@ def prefill_rows(engine: EngineView, adm: Admission) -> list[int | None]:
     return firsts
 
 
+def graphable_prefill(engine: EngineView) -> bool:
+    """Whether a one-row prefill from slot 0 may take the graphed path (``engine/
+    prefill_graph.py``): no drafter that reads the target's hidden states, and no LM-head plug
+    that may not be captured (the graph holds the argmax)."""
+    drafter, head = engine.drafter, engine.target.argmax_head
+    reads_hidden = drafter is not None and bool(drafter.hidden_layers)
+    return not reads_hidden and (head is None or bool(getattr(head, "graph_safe", False)))
+
+
 def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int | None]:
     rows, prompts, starts, seg_lens, max_news = (
         adm.rows, adm.prompts, adm.starts, adm.seg_lens, adm.max_news
@@ -78,9 +87,7 @@ def _prefill_run(engine: EngineView, run: list[int], adm: Admission) -> list[int
     engine.ahead.difference_update(range(r0, r0 + b))  # their device state starts afresh
     drafter = engine.drafter
     layers = () if drafter is None else drafter.hidden_layers
-    head = engine.target.argmax_head  # inside the graph: only a head that may be captured
-    plain = head is None or bool(getattr(head, "graph_safe", False))
-    one = b == 1 and starts[run[0]] == 0 and not layers and plain
+    one = b == 1 and starts[run[0]] == 0 and graphable_prefill(engine)
     graph = engine.prefill_graph() if one else None
     w = None if graph is None else graph.width(seg_lens[run[0]], engine.capacity)
     if graph is not None and w is not None:  # one row from slot 0: a graph per width bucket

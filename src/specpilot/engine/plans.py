@@ -155,6 +155,10 @@ class ChainPlan:
     def block_width(self, k: int) -> int:
         return k + 1
 
+    def widths_used(self, k: int, graphs: bool) -> list[int]:
+        """Every block width a cycle may verify (on graphs: powers of two, capped at k + 1)."""
+        return sorted({_pow2_width(w, k + 1) if graphs else w for w in range(1, k + 2)})
+
     def bind(self, engine: EngineView) -> None:
         self.caps.bind(engine)
 

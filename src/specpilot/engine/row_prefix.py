@@ -23,6 +23,18 @@ if TYPE_CHECKING:
     from specpilot.models.kv_cache import KVCache
 
 
+def rows_bucket(top: int, batch: int) -> int:
+    """The rows a step covers when rows ``0 .. top - 1`` hold every decoding row: the power of
+    two holding them, at most the batch."""
+    return min(batch, 1 << (max(top, 1) - 1).bit_length())
+
+
+def row_buckets(batch: int) -> list[int]:
+    """Every row count :func:`rows_bucket` gives for a batch of ``batch`` rows (the graph
+    variants of the steps over the first rows)."""
+    return sorted({rows_bucket(t, batch) for t in range(1, batch + 1)})
+
+
 class FirstRows:
     """Mixed into the engine, whose buffers these are."""
 
@@ -38,7 +50,7 @@ class FirstRows:
         """Rows a decode step must cover: the first ``n`` (a power of two, at most the batch)
         holding every decoding row; the scheduler fills the lowest free rows first."""
         top = max((b + 1 for b, a in enumerate(self.host.active) if a), default=1)
-        return min(self.batch, 1 << (top - 1).bit_length())
+        return rows_bucket(top, self.batch)
 
     @contextlib.contextmanager
     def first_rows(self, n: int) -> Iterator[None]:

@@ -11,6 +11,10 @@ handles, allocator growth), restores the small row state that run advanced, capt
 replays. K/V the warm-up wrote lies at or past the committed length, where a replay rewrites it.
 All graphs share one memory pool; they replay one at a time on one stream, and nothing a graph
 leaves in pool memory is read by another.
+
+Warm-up (``engine/warmup.py``): under :meth:`Runner.capture_only` a step is captured if its key
+has no graph yet and is not replayed, so a server can capture every shape it will meet before
+its first request instead of stalling every stream once per new shape.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class Runner:
         self._pool: Any = None  # torch's opaque pool handle
         self.captures = 0
         self._variant: Hashable = None
+        self._warming: list[Hashable] | None = None
 
     @contextlib.contextmanager
     def variant(self, tag: Hashable) -> Iterator[None]:
@@ -54,14 +59,29 @@ class Runner:
         finally:
             self._variant = saved
 
+    @contextlib.contextmanager
+    def capture_only(self) -> Iterator[list[Hashable]]:
+        """Steps run meanwhile are captured when their key has no graph yet, and neither
+        replayed nor run: a step that runs eagerly does nothing, a captured one only its
+        capture's warm-up run (whose small row state is restored). Yields the keys captured
+        meanwhile, in order (variants included)."""
+        saved, keys = self._warming, list[Hashable]()
+        self._warming = keys
+        try:
+            yield keys
+        finally:
+            self._warming = saved
+
     def reset(self) -> None:
         """Forget every graph (the buffers they were captured on are being replaced)."""
         self._graphs.clear()
         self._pool = None  # the old pool dies with its graphs; never capture into it again
 
     def run(self, key: Hashable, fn: StepFn, state: RowState, graph_safe: bool = True) -> None:
+        warming = self._warming
         if not (self.use_graphs and graph_safe):
-            fn()
+            if warming is None:
+                fn()
             return
         if self._variant is not None:
             key = (key, self._variant)
@@ -69,7 +89,15 @@ class Runner:
         if graph is None:
             graph = self._capture(fn, state)
             self._graphs[key] = graph
-        graph.replay()
+            if warming is not None:
+                warming.append(key)
+        if warming is None:
+            graph.replay()
+
+    @property
+    def keys(self) -> list[Hashable]:
+        """The keys that have a graph (variants included), in capture order."""
+        return list(self._graphs)
 
     def _capture(self, fn: StepFn, state: RowState) -> torch.cuda.CUDAGraph:
         snap = state.snapshot()
