@@ -79,6 +79,12 @@ def test_products_match_fp32_at_every_verify_width(name: str):
     assert torch.equal(lin(x), lin(x.reshape(6, k).contiguous()).view(2, 3, 2 * n))
     bias = torch.randn(2 * n)
     assert torch.equal(lin(x[0], bias), lin(x[0].contiguous()) + bias)
+    # a prefill-wide product (more than max_m rows) runs on the fp32 weights: the stock path's
+    w32 = torch.cat([w, w]).float()  # [2N, K]: the same values as the blocks
+    wide = BlockLinear([p, p], k, w32, max_m=8)
+    x = torch.randn(9, k)
+    assert torch.equal(wide(x, bias), torch.nn.functional.linear(x, w32, bias))
+    assert torch.equal(wide(x[:8]), lin(x[:8]))  # up to max_m rows: the blocks
 
 
 @pytest.mark.slow

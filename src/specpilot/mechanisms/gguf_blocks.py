@@ -45,15 +45,27 @@ def _f16_bits(a: np.ndarray) -> np.ndarray:
     )
 
 
-class BlockLinear:
-    """``fn(x [.., K], bias [N] | None) -> [.., N]`` over row segments of packed blocks."""
+MAX_M = 32
+"""Rows above which a product runs on the fp32 weights (``F.linear``, the stock path's) instead:
+the block kernels win up to a verify's widths (0.3-0.6x the fp32 path's time at M 4-32 on the
+2-core CPU) and lose a prefill's (1.4-2.9x at M 64-256: the fp32 GEMM is compute-bound there
+and the blocks' decode is not free)."""
 
-    def __init__(self, parts: list[Packed], k: int) -> None:
+
+class BlockLinear:
+    """``fn(x [.., K], bias [N] | None) -> [.., N]`` over row segments of packed blocks; more
+    than ``max_m`` rows go to ``weight`` (the layer's fp32 matrix, the same values) if given."""
+
+    def __init__(
+        self, parts: list[Packed], k: int, weight: Tensor | None = None, max_m: int = MAX_M
+    ) -> None:
         from specpilot.kernels import gguf_gemm
 
         self.parts = parts
         self.k = k
         self.n = sum(p.rows for p in parts)
+        self.weight, self.max_m = weight, max_m
+        """Prefill-wide products on the fp32 weights (``[N, K]``), exactly the stock path's."""
         self._g = gguf_gemm
         self._args = [
             (p.codes, _f16_bits(p.sc), _f16_bits(p.mn) if p.has_min else None) for p in parts
@@ -64,6 +76,8 @@ class BlockLinear:
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         # ~1 us a step on the host matters here: 121 calls a token, ~100 us of kernel each
+        if self.weight is not None and x.numel() > self.max_m * self.k:
+            return torch.nn.functional.linear(x, self.weight, bias)
         flat = x.dim() == 2 and x.is_contiguous()
         xa = (x if flat else x.reshape(-1, self.k).contiguous()).numpy()  # [M, K] fp32
         oa = np.empty((xa.shape[0], self.n), dtype=np.float32)  # [M, N]
@@ -174,8 +188,11 @@ def _merge(parts: list[Packed]) -> list[Packed]:
     return out
 
 
-def install(model: Transformer, path: str, threads: int = 0) -> dict[str, float]:
-    """Install the block kernels on ``model`` (loaded from the GGUF at ``path``)."""
+def install(
+    model: Transformer, path: str, threads: int = 0, max_m: int = MAX_M
+) -> dict[str, float]:
+    """Install the block kernels on ``model`` (loaded from the GGUF at ``path``); products of
+    more than ``max_m`` rows keep the fp32 path."""
     import numba
 
     from specpilot.loading.gguf_blocks import read_blocks
@@ -192,13 +209,14 @@ def install(model: Transformer, path: str, threads: int = 0) -> dict[str, float]
             names = [f"model.layers.{i}.{h}.weight" for h in hf]
             if not all(n in blocks for n in names):
                 continue
-            lin = BlockLinear(_merge([blocks[n] for n in names]), getattr(layer, name).shape[1])
+            w = getattr(layer, name)
+            lin = BlockLinear(_merge([blocks[n] for n in names]), w.shape[1], w, max_m)
             layer.linear_fns[name] = lin
             stored += 8.0 * lin.nbytes()
             weights += float(getattr(layer, name).numel())
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     if head in blocks:
-        lin = BlockLinear([blocks[head]], cfg.hidden_size)
+        lin = BlockLinear([blocks[head]], cfg.hidden_size, model.lm_head, max_m)
         model.lm_head_fn = lin
         stored += 8.0 * lin.nbytes()
         weights += float(model.lm_head.numel())
@@ -219,7 +237,7 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         build.notes.append("gguf-blocks: the target is no GGUF file; nothing installed.")
         return
-    stats = install(build.target.model, str(path), int(knobs["threads"]))
+    stats = install(build.target.model, str(path), int(knobs["threads"]), int(knobs["max_m"]))
     build.notes.append(f"gguf-blocks: {stats['bits_per_weight']:.2f} bits/weight")
 
 
@@ -253,7 +271,15 @@ MECHANISM = Mechanism(
         "summation order differs. Argument in mechanisms/gguf_blocks.py."
     ),
     apply=_apply,
-    knobs=(Knob("threads", 0, low=0, high=256, doc="numba threads (0: torch's count)"),),
+    knobs=(
+        Knob("threads", 0, low=0, high=256, doc="numba threads (0: torch's count)"),
+        Knob(
+            "max_m",
+            MAX_M,
+            choices=(16, 32, 64),
+            doc="widest product on the blocks; wider (a prefill) runs on the fp32 weights",
+        ),
+    ),
     applies=Applicability(devices=("cpu",), dtypes=("fp32", "float32")),
     summary="compute linear layers and the LM head from the GGUF's own Q4/Q8/K blocks (numba)",
     screen=_screen,
