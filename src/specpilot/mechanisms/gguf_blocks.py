@@ -272,7 +272,12 @@ MECHANISM = Mechanism(
     ),
     apply=_apply,
     knobs=(
-        Knob("threads", 0, low=0, high=256, doc="numba threads (0: torch's count)"),
+        Knob(
+            "threads",
+            0,
+            choices=(0, 1, 2, 4, 8, 16, 32, 64),
+            doc="numba threads (0: torch's count; capped at this machine's)",
+        ),
         Knob(
             "max_m",
             MAX_M,
