@@ -138,7 +138,9 @@ def test_tune_end_to_end_rejects_a_faulty_mechanism(tiny, tmp_path, capsys, monk
         )
         == 0
     )
-    assert json.loads(capsys.readouterr().out)["forcing"]["ok"]
+    gen = json.loads(capsys.readouterr().out)
+    tuned = json.loads((out / "tuned.json").read_text())
+    assert gen["forcing"]["ok"] and gen["mechanisms"] == tuned["mechanisms"]  # shown as run
     # compare: tuned vs stock vs AR on held-out prompts, all token-forced
     assert (
         main(

@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         "tok_s": spec.tok_s,
         "mean_accepted_len_incl_bonus": spec_res.stats.mean_accepted_len,
         "drafter": dep.drafter_name,
+        "mechanisms": dict(dep.build.config.mechanisms),
         "dtype": meta["dtype"],
         "device": meta["device"],
     }
@@ -180,11 +181,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        line = f"{len(spec.tokens)} tokens at {spec.tok_s:.1f} tok/s with {dep.drafter_name}, τ = {spec_res.stats.mean_accepted_len:.2f} (incl. bonus)"
+        mechs = list(dep.build.config.mechanisms)  # they edit the target: AR runs them too
+        with_ = " + ".join([dep.drafter_name, *mechs])
+        line = f"{len(spec.tokens)} tokens at {spec.tok_s:.1f} tok/s with {with_}, τ = {spec_res.stats.mean_accepted_len:.2f} (incl. bonus)"
         if "speedup" in out:
-            line += (
-                f"; AR {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}× (one run each)"
-            )
+            ar_name = "AR" + (f" + {' + '.join(mechs)}" if mechs else "")
+            line += f"; {ar_name} {out['ar_tok_s']:.1f} tok/s → speedup {out['speedup']:.2f}× (one run each)"
             line += (
                 ", output identical to AR" if out["identical_to_ar"] else ", output DIFFERS from AR"
             )

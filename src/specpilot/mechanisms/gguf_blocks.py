@@ -275,8 +275,9 @@ MECHANISM = Mechanism(
         Knob(
             "threads",
             0,
-            choices=(0, 1, 2, 4, 8, 16, 32, 64),
-            doc="numba threads (0: torch's count; capped at this machine's)",
+            low=0,
+            high=256,
+            doc="numba threads (0: torch's count; capped at the cores)",
         ),
         Knob(
             "max_m",
