@@ -37,17 +37,24 @@ def rms_norm(x, w, eps, out):  # type: ignore[no-untyped-def]
             out[i, j] = w[j] * (x[i, j] * r)
 
 
+@njit(cache=True, error_model="numpy", inline="always")
+def _rope_row(x, c, s, out):  # type: ignore[no-untyped-def]
+    """out = x * c + rotate_half(x) * s for one head: x, out, c, s [D] f32 (views)."""
+    d = x.shape[0]
+    half = d // 2
+    for j in range(half):
+        out[j] = x[j] * c[j] + (-x[j + half]) * s[j]
+    for j in range(half, d):
+        out[j] = x[j] * c[j] + x[j - half] * s[j]
+
+
 @njit(cache=True, error_model="numpy")
 def rope(x, cos, sin, out):  # type: ignore[no-untyped-def]
     """out = x * cos + rotate_half(x) * sin; x, out [M, H, D] f32; cos, sin [M, 1, D] f32."""
-    m, h, d = x.shape
-    half = d // 2
+    m, h, _ = x.shape
     for i in range(m):
         for k in range(h):
-            for j in range(half):
-                out[i, k, j] = x[i, k, j] * cos[i, 0, j] + (-x[i, k, j + half]) * sin[i, 0, j]
-            for j in range(half, d):
-                out[i, k, j] = x[i, k, j] * cos[i, 0, j] + x[i, k, j - half] * sin[i, 0, j]
+            _rope_row(x[i, k], cos[i, 0], sin[i, 0], out[i, k])
 
 
 @njit(cache=True, error_model="numpy")
@@ -55,26 +62,11 @@ def rope_qkv_write(qkv, q_heads, kv_heads, cos, sin, k_cache, v_cache, start, q_
     """q_out[i, h] = rope(q[i, h]); k_cache[0, h, start + i] = rope(k[i, h]); v_cache likewise
     (a copy). qkv [M, (Hq + 2 Hkv) D] f32; cos, sin [M, 1, D]; caches [1, Hkv, S, D] f32."""
     m, d = qkv.shape[0], q_out.shape[2]
-    half = d // 2
     k0, v0 = q_heads * d, (q_heads + kv_heads) * d
     for i in range(m):
+        c, s = cos[i, 0], sin[i, 0]
         for h in range(q_heads):
-            o = h * d
-            for j in range(half):
-                q_out[i, h, j] = (
-                    qkv[i, o + j] * cos[i, 0, j] + (-qkv[i, o + j + half]) * sin[i, 0, j]
-                )
-            for j in range(half, d):
-                q_out[i, h, j] = qkv[i, o + j] * cos[i, 0, j] + qkv[i, o + j - half] * sin[i, 0, j]
+            _rope_row(qkv[i, h * d : (h + 1) * d], c, s, q_out[i, h])
         for h in range(kv_heads):
-            o, s = k0 + h * d, start + i
-            for j in range(half):
-                k_cache[0, h, s, j] = (
-                    qkv[i, o + j] * cos[i, 0, j] + (-qkv[i, o + j + half]) * sin[i, 0, j]
-                )
-            for j in range(half, d):
-                k_cache[0, h, s, j] = (
-                    qkv[i, o + j] * cos[i, 0, j] + qkv[i, o + j - half] * sin[i, 0, j]
-                )
-            for j in range(d):
-                v_cache[0, h, s, j] = qkv[i, v0 + h * d + j]
+            _rope_row(qkv[i, k0 + h * d : k0 + (h + 1) * d], c, s, k_cache[0, h, start + i])
+            v_cache[0, h, start + i, :] = qkv[i, v0 + h * d : v0 + (h + 1) * d]
