@@ -23,6 +23,9 @@ CASES = (  # (M, N, K, config kwargs, bias)
     (16, 128, 256, {"block_r": 128, "block_k": 64, "num_warps": 8, "split_k": 3}, False),
     (20, 64, 192, {"block_r": 64, "block_k": 64, "num_warps": 4}, True),
     (33, 64, 128, {"block_r": 64, "block_k": 64, "num_warps": 4, "block_m": 16}, False),
+    (3, 130, 320, {"block_r": 64, "block_k": 64, "num_warps": 4, "stream_k": 2}, True),
+    (16, 256, 192, {"block_r": 128, "block_k": 64, "num_warps": 8, "stream_k": 3}, False),
+    (40, 64, 256, {"block_r": 64, "block_k": 64, "num_warps": 4, "stream_k": 1}, True),
 )
 
 
@@ -69,6 +72,16 @@ def _group_mma() -> None:
         assert y.shape == (m, n) and torch.equal(y.double().isinf(), z.isinf()), i
         r = _error_ratio(y[:, finite], x, w[finite], None if bias is None else bias[finite])
         assert r <= 1.0, (i, r)
+    # a tile with more escapes than one chunk (4 * block_r): the list is read in two chunks
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(64, 128, generator=g)
+    w = torch.where(torch.rand(64, 128, generator=g) < 0.06, w * 2.0**-40, w).to(torch.bfloat16)
+    t = encode(w, "v4")
+    assert t.list_records is not None and t.list_records.shape[1] > 256, t.tile_escapes
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    for kw in ({"block_k": 64, "split_k": 2}, {"block_k": 64, "stream_k": 2}):
+        y = w12_mma(x, t, counter_buffer(64, x.device), cfg=MmaConfig(**kw))
+        assert _error_ratio(y, x, w, None) <= 1.0, kw
     with pytest.raises(ValueError, match="layout v4"):
         w12_mma(x, encode(w), counters)
     # the mechanism's linear: v4 + this kernel up to max_m rows, tiled by a searched table
@@ -133,22 +146,26 @@ def _group_sm90() -> None:
 
     from specpilot.kernels.w12_mma import _mma_kernel
 
-    ptrs = ("x_ptr", "*bf16"), ("sm_ptr", "*i32"), ("cb_ptr", "*i16"), ("off_ptr", "*i32")
-    ptrs += ("rec_ptr", "*i32"), ("val_ptr", "*bf16"), ("bias_ptr", "*bf16"), ("y_ptr", "*bf16")
+    ptrs = ("x_ptr", "*bf16"), ("sm_ptr", "*i32"), ("cb_ptr", "*i16"), ("lrec_ptr", "*i32")
+    ptrs += ("lval_ptr", "*bf16"), ("bias_ptr", "*bf16"), ("y_ptr", "*bf16")
     ptrs += ("part_ptr", "*fp32"), ("count_ptr", "*i32")
-    ints = ("M", "N", "K", "stride_xm", "stride_ym", "row_words", "k_split", "split")
+    ints = ("M", "N", "K", "stride_xm", "stride_ym", "row_words", "k_split", "split", "cap")
     sig = dict(ptrs) | dict.fromkeys(ints, "i32")
     names = _mma_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "split")}
-    const = dict(BASE=110, HAS_BIAS=False, EVEN=True, PTX=True, BLOCK_R=128, BLOCK_K=256,
-                 BLOCK_M=16, ESC_STEP=32, MAX_SPLIT=16, INTERPRET=False)  # fmt: skip
-    src = ASTSource(_mma_kernel, sig | dict.fromkeys(const, "constexpr"), const, attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    dots = [ln for ln in kernel.asm["ttgir"].splitlines() if "warp_group_dot " in ln]
-    main = [ln for ln in dots if "64x16xbf16" in ln or "x64xbf16" in ln.split("*")[0]]
-    assert len(main) >= 4, dots
-    for ln in main:
-        assert "dot_op<{opIdx = 0" in ln.split("*")[0], ln  # A from registers, not shared memory
+    for stream in (False, True):  # the split-K and the stream-K grid
+        const = dict(BASE=110, HAS_BIAS=False, EVEN=True, PTX=True, BLOCK_R=128, BLOCK_K=256,
+                     BLOCK_M=16, ESC_STEP=32, ESCAPES=True, MAX_SPLIT=16, STREAM=stream,
+                     INTERPRET=False)  # fmt: skip
+        src = ASTSource(_mma_kernel, sig | dict.fromkeys(const, "constexpr"), const, attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        ttgir = kernel.asm["ttgir"]
+        dots = [ln for ln in ttgir.splitlines() if "warp_group_dot " in ln]
+        main = [ln for ln in dots if "64x16xbf16" in ln or "x64xbf16" in ln.split("*")[0]]
+        assert len(main) >= 4, dots
+        for ln in main:  # A from registers, not shared memory
+            assert "dot_op<{opIdx = 0" in ln.split("*")[0], (stream, ln)
+        assert "async_copy_global_to_local" in ttgir, stream  # the weight loads pipelined
     print("sm90 ok")
 
 

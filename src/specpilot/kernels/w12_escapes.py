@@ -2,7 +2,8 @@
 4-bit window, applied to the accumulators after the dense decode (``x·w`` added, ``x·p`` of the
 placeholder the dense decode produced subtracted). ``_escapes``/``_apply_escapes``: the v3 GEMV's
 (``kernels/w12_gemv.py``), the activations through the same prologue as its dense loop's;
-``escape_dots``: the tiled kernels' (``w12_gemm``, ``w12_mma``), as two small exact dots."""
+``escape_dots``: ``w12_gemm``'s, as two small exact dots; ``list_chunk``/``apply_list``: the
+tensor-core kernel's (``w12_mma``), from fixed-address per-tile lists, as two wgmma dots."""
 
 from __future__ import annotations
 
@@ -136,30 +137,39 @@ def escape_dots(
 
 
 @triton.jit
-def tile_escapes(
-    e0, e_end, blk0, starts, offs_m, m_ok, K, k_lo, k_hi, base, x_ptr, stride_xm, rec_ptr,
-    val_ptr, ESC_STEP: tl.constexpr,
-):  # fmt: skip
-    """Load one chunk of a tile's escape records (the CSR range of all its 16-row blocks, from
-    ``e0``; ``starts [NB]``: each block's first record, past-the-end blocks a huge value): the
-    gathered activations ``xg [BM, E]``, the escaped weights' and placeholders' bits ``[E]``, the
-    output rows ``n_e [E]`` and which records count here (in ``[k_lo, k_hi)``). Independent of
-    the dense loop, so a kernel can issue it before that loop and apply it after."""
-    val, n_e, k_e, ok = _records(e0, e_end, blk0, starts, K, k_lo, k_hi, rec_ptr, val_ptr, ESC_STEP)
-    x_mask = m_ok[:, None] & ok[None, :]
-    xg = tl.load(x_ptr + offs_m[:, None] * stride_xm + k_e[None, :], mask=x_mask, other=0.0)
-    w_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [E]
-    p_bits = (w_bits & 0x807F) | (base << 7)  # the placeholder the dense decode produced
-    return xg, w_bits, p_bits, n_e, ok
+def list_chunk(tile_ptr, val_ptr, c0, length, ESC_STEP: tl.constexpr):
+    """Entries ``c0 .. c0 + E`` of a program's fixed-address escape list (``length`` entries at
+    ``tile_ptr`` / ``val_ptr``; ``W12Tensor.list_records``): the index in the list ``[E]``, the
+    records (``-1`` past the end) and the escaped weights. Addresses need no earlier load, so a
+    kernel issues this before its dense loop and nothing waits for it until after the loop."""
+    idx = c0 + tl.arange(0, ESC_STEP)  # [E]
+    rec = tl.load(tile_ptr + idx, mask=idx < length, other=-1)
+    val = tl.load(val_ptr + idx, mask=idx < length, other=0.0)  # [E] bf16
+    return idx, rec, val
 
 
 @triton.jit
-def apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, ok, offs_n, INTERPRET: tl.constexpr):
-    """``acc [BM, BN] += xg @ W_e - xg @ P_e`` with ``W_e``, ``P_e`` ``[E, BN]`` zero except at
-    ``(e, n_e)``: each product exact, entering the fp32 accumulator once; the placeholders'
-    leave first (see ``escape_dots``)."""
-    hit = (n_e[:, None] == offs_n[None, :]) & ok[:, None]  # [E, BN]
+def apply_list(
+    acc, idx, rec, val, cap, toks, m_ok, k_lo, k_hi, base, x_ptr, stride_xm,
+    BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """``acc^T [BR, BM] += W_e @ xg^T - P_e @ xg^T`` for one chunk of the list (``list_chunk``):
+    ``W_e``, ``P_e`` ``[BR, E]`` zero except at ``(row of e, e)``, the escaped weight and the
+    placeholder the dense decode produced (exponent ``base``); only records with a column in
+    ``[k_lo, k_hi)`` count. Each product is exact and enters the fp32 accumulator once; the
+    placeholders' leave first (see ``escape_dots``). The dots take the weights' side as the
+    64-row operand, as the dense loop's do, so the whole kernel stays on ``wgmma`` (an
+    ``mma.sync`` on the transposed accumulator made ptxas serialize every ``wgmma`` of the loop,
+    C7515). The gather of ``x`` (a few KB, in L2) is the one load that waits for the records."""
+    k_e = rec & 0x7FFFF  # [E]
+    r_loc = (idx // cap) * 64 + (rec >> 19)  # [E] row in this program's tile
+    ok = (rec >= 0) & (k_e >= k_lo) & (k_e < k_hi)
+    xg = tl.load(x_ptr + toks[None, :] * stride_xm + k_e[:, None], mask=m_ok[None, :] & ok[:, None],
+                 other=0.0)  # fmt: skip  # [E, BM]: x^T at the escapes' columns
+    w_bits = val.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF  # [E]
+    p_bits = (w_bits & 0x807F) | (base << 7)
+    hit = (tl.arange(0, BLOCK_R)[:, None] == r_loc[None, :]) & ok[None, :]  # [BR, E]
     xo = _x_operand(xg, INTERPRET)
-    neg_p = tl.where(hit, (p_bits ^ 0x8000)[:, None], 0)
-    acc = tl.dot(xo, _bits_to_operand(neg_p, INTERPRET), acc)
-    return tl.dot(xo, _bits_to_operand(tl.where(hit, w_bits[:, None], 0), INTERPRET), acc)
+    neg_p = tl.where(hit, (p_bits ^ 0x8000)[None, :], 0)
+    acc = tl.dot(_bits_to_operand(neg_p, INTERPRET), xo, acc)
+    return tl.dot(_bits_to_operand(tl.where(hit, w_bits[None, :], 0), INTERPRET), xo, acc)

@@ -20,10 +20,18 @@ weights, four output registers of bf16 pairs):
 
 17 integer instructions per 8 weights (~2.1), against 1.6 in the GEMV but with no FMA per row:
 the tensor core does the products for every token at once. An escape (code 0) decodes to the
-placeholder (exponent ``base``); after the loop the placeholders' products are removed and
-then the escaped weights' added by two small dots (``w12_escapes.escape_dots``), as in
-``w12_gemm``. ``base`` is a compile-time constant (a runtime scalar would route the tile through
-shared memory), so each distinct ``base`` is one compile.
+placeholder (exponent ``base``); each program loads its tile's fixed-address escape list
+(``W12Tensor.list_records``) before the loop and, after it, removes the placeholders' products
+and adds the escaped weights' by two small wgmma dots (``w12_escapes.apply_list``). ``base`` is a
+compile-time constant (a runtime scalar would route the tile through shared memory), so each
+distinct ``base`` is one compile.
+
+ptxas serializes every wgmma of a kernel (C7515: each HGMMA waited for before the next) if a
+non-wgmma instruction may define an accumulator register between a wgmma and its wait; two
+things did that here and are avoided: the escape dots as ``mma.sync`` on the transposed
+accumulator, and the zeroed accumulator on the path that skips an empty K loop (hence
+``tl.assume``). On the H100 this alone took the Llama-3-8B layer from 0.92-1.00x to 1.04-1.19x
+cuBLAS at M = 16 (docs/figures/issue-26.md).
 
 Exactness: the decoded operand is bit for bit the bf16 weight (the placeholder at escapes), a
 bf16 product is exact in fp32, every product enters one fp32 sum once: the result differs from
@@ -52,14 +60,14 @@ from specpilot.kernels.gemm_common import (
     k_splits,
     outputs,
 )
+from specpilot.kernels.stream_k import programs, stream_store
 from specpilot.kernels.w12_decode import _bits_to_operand
-from specpilot.kernels.w12_escapes import apply_tile_escapes, tile_escapes
+from specpilot.kernels.w12_escapes import apply_list, list_chunk
 from specpilot.kernels.w12_tilings import MAX_ROWS, MmaConfig
-from specpilot.mechanisms.w12_format import ESC_ROWS, GROUP, QUARTER, W12Tensor
+from specpilot.mechanisms.w12_format import GROUP, QUARTER, W12Tensor
 
 _Q = tl.constexpr(QUARTER)
 _GROUP = tl.constexpr(GROUP)
-_ESC_ROWS = tl.constexpr(ESC_ROWS)
 
 _DECODE_V4 = tl.constexpr("""{
     .reg .b32 e01, e23, a01, b01, a23, b23;
@@ -155,49 +163,25 @@ def _k_step(
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "split"])  # one compile serves every M <= BLOCK_M
-def _mma_kernel(
-    x_ptr,  # [M, K] bf16, row stride stride_xm
-    sm_ptr,  # [N, Kp / 4] int32: v4 sign/mantissa words
-    cb_ptr,  # [N, Kp / 4] int16: v4 code words
-    off_ptr,  # [ceil(N/16) + 1] int32
-    rec_ptr,  # [n_esc] int32
-    val_ptr,  # [n_esc] bf16
-    bias_ptr,  # [N] bf16 (HAS_BIAS)
-    y_ptr,  # [M, N] bf16, row stride stride_ym
-    part_ptr,  # [split, M, N] fp32 (split > 1)
-    count_ptr,  # [tiles] int32, zero between calls (split > 1)
-    M, N, K, stride_xm, stride_ym,
-    row_words,  # Kp / 4
-    k_split,  # padded columns per split, a multiple of BLOCK_K
-    split,
-    BASE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
+@triton.jit
+def _segment(
+    pid_n, pid_m, k_lo, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr, cb_ptr, lrec_ptr, lval_ptr,
+    cap, row_words, BASE: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, MAX_SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
+    """Tile ``(pid_n, pid_m)`` over the columns ``[k_lo, k_hi)``: ``acc [BM, BR]`` fp32 with the
+    escapes of those columns applied, its token and row offsets and masks."""
     rows = pid_n * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     r_ok = rows < N
     m_ok = toks < M
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, row_words * 4)
     acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)  # y^T tile
-    NB: tl.constexpr = BLOCK_R // _ESC_ROWS
-    blk0 = pid_n * NB
-    n_blocks = (N + _ESC_ROWS - 1) // _ESC_ROWS
-    bidx = blk0 + tl.arange(0, NB)
-    starts = tl.load(off_ptr + bidx, mask=bidx < n_blocks, other=1 << 30)  # [NB]
-    e_start = tl.load(off_ptr + blk0)
-    e_end = tl.load(off_ptr + tl.minimum(blk0 + NB, n_blocks))
-    if ESCAPES:  # the first chunk of this tile's escapes, issued before the dense loop
-        xg, w_bits, p_bits, n_e, e_ok = tile_escapes(
-            e_start, e_end, blk0, starts, toks, m_ok, K, k_lo, k_hi, BASE, x_ptr, stride_xm,
-            rec_ptr, val_ptr, ESC_STEP,
-        )  # fmt: skip
+    length = (BLOCK_R // 64) * cap  # this tile's list: consecutive 64-row lists
+    t_rec = lrec_ptr + pid_n * length
+    t_val = lval_ptr + pid_n * length
+    if ESCAPES:  # the list's first chunk: fixed addresses, issued before the dense loop
+        idx, rec, val = list_chunk(t_rec, t_val, 0, length, ESC_STEP)
     if INTERPRET:  # the interpreter cannot take a runtime range() bound (numpy >= 2)
         k0 = k_lo
         while k0 < k_hi:
@@ -207,32 +191,94 @@ def _mma_kernel(
             )  # fmt: skip
             k0 += BLOCK_K
     else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
+        # Never empty (the launch gives every split and segment a step). Without the promise the
+        # loop-skipping path zeroes the accumulator between the last wgmma and its wait, and
+        # ptxas then serializes every wgmma of the kernel (C7515).
+        tl.assume(k_lo < k_hi)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
                 acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K,
                 row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
             )  # fmt: skip
-    acc = tl.trans(acc)  # [BM, BR]
     if ESCAPES:  # remove the placeholders' products, then add the escaped weights'
-        acc = apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, e_ok, rows, INTERPRET)
-        e0 = e_start + ESC_STEP
-        while e0 < e_end:  # a tile with more escapes than one chunk (rare)
-            xg, w_bits, p_bits, n_e, e_ok = tile_escapes(
-                e0, e_end, blk0, starts, toks, m_ok, K, k_lo, k_hi, BASE, x_ptr, stride_xm,
-                rec_ptr, val_ptr, ESC_STEP,
+        acc = apply_list(acc, idx, rec, val, cap, toks, m_ok, k_lo, k_hi, BASE, x_ptr, stride_xm,
+                         BLOCK_R, INTERPRET)  # fmt: skip
+        c0 = ESC_STEP
+        while c0 < length:  # a tile with more escapes than one chunk (rare)
+            idx, rec, val = list_chunk(t_rec, t_val, c0, length, ESC_STEP)
+            acc = apply_list(acc, idx, rec, val, cap, toks, m_ok, k_lo, k_hi, BASE, x_ptr,
+                             stride_xm, BLOCK_R, INTERPRET)  # fmt: skip
+            c0 += ESC_STEP
+    return tl.trans(acc), rows, toks, r_ok, m_ok  # [BM, BR]
+
+
+@triton.jit(do_not_specialize=["M", "split"])  # one compile serves every M <= BLOCK_M
+def _mma_kernel(
+    x_ptr,  # [M, K] bf16, row stride stride_xm
+    sm_ptr,  # [N, Kp / 4] int32: v4 sign/mantissa words
+    cb_ptr,  # [N, Kp / 4] int16: v4 code words
+    lrec_ptr,  # [ceil(N/64), cap] int32: the escape lists
+    lval_ptr,  # [ceil(N/64), cap] bf16
+    bias_ptr,  # [N] bf16 (HAS_BIAS)
+    y_ptr,  # [M, N] bf16, row stride stride_ym
+    part_ptr,  # split-K: [split, M, N] fp32; stream-K: [2 * programs, BM, BR] fp32
+    count_ptr,  # [tiles] int32, zero between calls (split > 1, stream-K)
+    M, N, K, stride_xm, stride_ym,
+    row_words,  # Kp / 4
+    k_split,  # padded columns per split, a multiple of BLOCK_K
+    split,
+    cap,  # entries per 64-row escape list
+    BASE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    STREAM: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    if STREAM:  # kernels/stream_k.py: program p takes steps [p, p + 1) * n_it // n_prog
+        pid = tl.program_id(0)
+        n_prog = tl.num_programs(0)
+        steps_t = tl.cdiv(row_words * 4, BLOCK_K)  # K steps per tile
+        n_tiles = tl.cdiv(N, BLOCK_R)
+        n_it = n_tiles * tl.cdiv(M, BLOCK_M) * steps_t
+        it_lo = pid * n_it // n_prog
+        it_hi = (pid + 1) * n_it // n_prog
+        for t in range(it_lo // steps_t, (it_hi + steps_t - 1) // steps_t):
+            s_lo = tl.maximum(it_lo - t * steps_t, 0)
+            s_hi = tl.minimum(it_hi - t * steps_t, steps_t)
+            k_hi = tl.minimum(s_hi * BLOCK_K, row_words * 4)
+            acc, rows, toks, r_ok, m_ok = _segment(
+                t % n_tiles, t // n_tiles, s_lo * BLOCK_K, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr,
+                cb_ptr, lrec_ptr, lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K,
+                BLOCK_M, ESC_STEP, ESCAPES, INTERPRET,
             )  # fmt: skip
-            acc = apply_tile_escapes(acc, xg, w_bits, p_bits, n_e, e_ok, rows, INTERPRET)
-            e0 += ESC_STEP
-    _store_tile(
-        acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, toks, rows, m_ok, r_ok, stride_ym, 0,
-        M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
-    )  # fmt: skip
+            stream_store(
+                acc, t, s_lo, s_hi, steps_t, n_it, pid, n_prog, y_ptr, bias_ptr, part_ptr,
+                count_ptr, toks, rows, m_ok, r_ok, stride_ym, BLOCK_M, BLOCK_R, HAS_BIAS,
+                INTERPRET,
+            )  # fmt: skip
+    else:
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        k_lo = pid_k * k_split
+        k_hi = tl.minimum(k_lo + k_split, row_words * 4)
+        acc, rows, toks, r_ok, m_ok = _segment(
+            pid_n, pid_m, k_lo, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr, cb_ptr, lrec_ptr,
+            lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, BLOCK_M, ESC_STEP,
+            ESCAPES, INTERPRET,
+        )  # fmt: skip
+        _store_tile(
+            acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, toks, rows, m_ok, r_ok, stride_ym,
+            0, M, N, pid_m, pid_n, pid_k, split, False, HAS_BIAS, MAX_SPLIT, INTERPRET,
+        )  # fmt: skip
 
 
 def launch_shape(m: int, n: int, k_padded: int, cfg: MmaConfig, device: torch.device):
-    """``(grid, block_m, split, k_split)`` of one launch."""
+    """``(grid, block_m, split, k_split)`` of one launch (stream-K: ``(n_prog,)``, split 1)."""
     bm = cfg.tokens(m)
     tiles = triton.cdiv(n, cfg.block_r) * triton.cdiv(m, bm)
+    if cfg.stream_k:
+        steps = triton.cdiv(k_padded, cfg.block_k)
+        return (programs(tiles, steps, _num_sms(device), cfg.stream_k), 1, 1), bm, 1, k_padded
     want = cfg.split_k or max(1, (2 * _num_sms(device)) // tiles)
     split, k_split = k_splits(k_padded, cfg.block_k, want)
     return (triton.cdiv(n, cfg.block_r), triton.cdiv(m, bm), split), bm, split, k_split
@@ -249,16 +295,17 @@ def w12_mma(
 ) -> Tensor:  # [M, N] bf16
     """``x @ decode(w)^T (+ bias)`` with the weights decoded into the tensor cores' operand
     registers (``ptx``: inline PTX on the GPU; ``False`` or the interpreter: plain integer ops).
-    A program loads as many escape records before its dense loop as the tensor's fullest tile
-    holds (``W12Tensor.tile_escapes``), at most ``2 * block_r`` (more kept registers live across
-    the loop: 256 per 64 rows ran 3-9% slower than 128 on the H200), the rest after the loop.
-    ``escapes=False`` leaves the escape correction out: a wrong result, only for timing what the
-    dense loop costs (the GPU script's diagnostic)."""
+    A program loads the first ``4 * block_r`` entries of its tile's escape list
+    (``W12Tensor.list_records``: fixed addresses, no dependent load) before its dense loop and
+    applies them after it, the rest (tiles with more escapes) after the loop. ``cfg.stream_k``:
+    the stream-K grid (``kernels/stream_k.py``), else split-K. ``escapes=False`` leaves the escape
+    correction out: a wrong result, only for timing what the dense loop costs (the GPU script's
+    diagnostic)."""
     m, k = x.shape
     n = w.shape[0]
     cfg = cfg or MmaConfig()
-    if w.layout != "v4":
-        raise ValueError(f"w12_mma reads W12 layout v4, got {w.layout!r}")
+    if w.layout != "v4" or w.list_records is None or w.list_values is None:
+        raise ValueError(f"w12_mma reads W12 layout v4 with escape lists, got {w.layout!r}")
     if k != w.k:
         raise ValueError(f"x has K = {k}, the weight has K = {w.k}")
     if x.dtype != torch.bfloat16 or x.stride(1) != 1:
@@ -267,19 +314,23 @@ def w12_mma(
         raise ValueError(f"w12_mma takes at most {MAX_ROWS} rows, got {m}")
     kp = w.padded_k
     grid, bm, split, k_split = launch_shape(m, n, kp, cfg, x.device)
-    y, part = outputs(m, n, grid, counters, x.device)  # [M, N], [split, M, N]
-    recs, vals = (w.esc_records, w.esc_values) if w.num_escapes else (w.esc_offsets, x)
-    most = w.tile_escapes[min(2, cfg.block_r // 128)] if w.tile_escapes else 2 * cfg.block_r
-    esc_step = min(2 * cfg.block_r, max(16, triton.next_power_of_2(max(most, 1))))
+    if cfg.stream_k:
+        y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)  # [M, N]
+        part = torch.empty(2 * grid[0], bm, cfg.block_r, dtype=torch.float32, device=x.device)
+    else:
+        y, part = outputs(m, n, grid, counters, x.device)  # [M, N], [split, M, N]
+    cap = int(w.list_records.shape[1])
+    length = cfg.block_r // 64 * cap
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     even = n % cfg.block_r == 0 and kp == k and kp % cfg.block_k == 0  # every step whole
     _mma_kernel[grid](
-        x, w.sm.view(torch.int32), w.codes.view(torch.int16), w.esc_offsets, recs, vals,
+        x, w.sm.view(torch.int32), w.codes.view(torch.int16), w.list_records, w.list_values,
         bias if bias is not None else x, y, part, counters,
-        m, n, k, x.stride(0), y.stride(0), kp // 4, k_split, split,
+        m, n, k, x.stride(0), y.stride(0), kp // 4, k_split, split, cap,
         BASE=w.base, HAS_BIAS=bias is not None, EVEN=even, PTX=ptx and not interpret,
-        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_M=bm, ESC_STEP=esc_step,
-        ESCAPES=escapes, MAX_SPLIT=MAX_SPLIT_K, INTERPRET=interpret,
+        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_M=bm,
+        ESC_STEP=min(length, 4 * cfg.block_r), ESCAPES=escapes and w.num_escapes > 0,
+        MAX_SPLIT=MAX_SPLIT_K, STREAM=cfg.stream_k > 0, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -33,6 +33,9 @@ class MmaConfig:
     """K splits; 0 picks enough to give every SM about two programs."""
     block_m: int = 0
     """Token tile (16, 32 or 64); 0: the smallest that holds M (at least 16)."""
+    stream_k: int = 0
+    """Programs per SM of a stream-K grid (``kernels/stream_k.py``: every SM streams the same
+    number of K steps); 0: the split-K grid (``split_k``)."""
 
     def __post_init__(self) -> None:
         if self.block_r % 64 or self.block_r < 64:
@@ -45,6 +48,8 @@ class MmaConfig:
             raise ValueError("num_warps must be a multiple of 4 with 16 weight rows per warp")
         if not 0 <= self.split_k <= 16:
             raise ValueError(f"split_k must be in 0..16, got {self.split_k}")
+        if not 0 <= self.stream_k <= 8:
+            raise ValueError(f"stream_k must be in 0..8, got {self.stream_k}")
 
     def tokens(self, m: int) -> int:
         """The token tile for M rows."""

@@ -115,6 +115,13 @@ class W12Tensor:
     tile_escapes: tuple[int, ...] = ()
     """Most escapes in any tile of ``64 << i`` rows (i = 0, 1, 2), counted at encode time, so a
     tiled kernel sizes its escape chunk without reading the device (``kernels/w12_mma.py``)."""
+    list_records: Tensor | None = None
+    """v4: ``[ceil(N/64), CAP]`` int32, the escapes of each 64-row tile at a fixed address (``CAP``
+    a power of two >= 16 that holds the fullest tile): ``row % 64 << 19 | k``, ``-1`` past the
+    tile's last; the tensor-core kernel loads its tile's list with no dependent load before it."""
+    list_values: Tensor | None = None
+    """v4: ``[ceil(N/64), CAP]`` bf16, the escaped weights in ``list_records``' order (0 past the
+    last)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -135,7 +142,8 @@ class W12Tensor:
     def nbytes(self) -> int:
         """Bytes stored, all metadata included."""
         parts = (self.sm, self.codes, self.esc_offsets, self.esc_records, self.esc_values)
-        return sum(t.numel() * t.element_size() for t in parts) + 4
+        lists = tuple(t for t in (self.list_records, self.list_values) if t is not None)
+        return sum(t.numel() * t.element_size() for t in parts + lists) + 4
 
     def stream_bytes(self) -> int:
         """Bytes a kernel streams for the dense planes (what a roofline divides by bandwidth)."""
@@ -157,7 +165,32 @@ class W12Tensor:
             k=self.k,
             layout=self.layout,
             tile_escapes=self.tile_escapes,
+            list_records=None if self.list_records is None else self.list_records.to(device),
+            list_values=None if self.list_values is None else self.list_values.to(device),
         )
+
+
+LIST_ROWS = 64
+"""Rows per fixed-address escape list (``W12Tensor.list_records``)."""
+
+
+def tile_lists(rows: Tensor, cols: Tensor, values: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """Escapes at ``(rows, cols)`` (sorted by row) with weights ``values`` -> per 64-row tile a
+    fixed-size list: ``([T, CAP] int32 row % 64 << 19 | col, -1 past the end; [T, CAP] bf16)``."""
+    tiles = (n + LIST_ROWS - 1) // LIST_ROWS
+    tile = rows // LIST_ROWS  # [E]
+    per = torch.bincount(tile, minlength=tiles)  # [T]
+    cap = 16
+    while cap < (int(per.max()) if rows.numel() else 0):
+        cap *= 2
+    first = torch.zeros(tiles, dtype=torch.int64, device=rows.device)
+    first[1:] = per.cumsum(0)[:-1]
+    slot = tile * cap + torch.arange(rows.numel(), device=rows.device) - first[tile]  # [E]
+    recs = torch.full((tiles * cap,), -1, dtype=torch.int32, device=rows.device)
+    recs[slot] = (((rows % LIST_ROWS) << 19) | cols).to(torch.int32)
+    vals = torch.zeros(tiles * cap, dtype=values.dtype, device=rows.device)
+    vals[slot] = values
+    return recs.view(tiles, cap), vals.view(tiles, cap)
 
 
 def _bits(w: Tensor) -> Tensor:  # [N, K] bf16 -> [N, K] int32 in [0, 65535]
@@ -264,17 +297,21 @@ def encode(w: Tensor, layout: str = "v3") -> W12Tensor:
         int(torch.bincount(rows // (64 << i), minlength=1).max()) if rows.numel() else 0
         for i in range(3)
     )
+    values = w[rows, cols].contiguous()  # [n_esc] bf16
+    lists = tile_lists(rows, cols, values, n) if layout == "v4" else (None, None)
     return W12Tensor(
         sm=sm,
         codes=codes,
         base=base,
         esc_offsets=offsets.to(torch.int32),
         esc_records=records,
-        esc_values=w[rows, cols].contiguous(),
+        esc_values=values,
         base_t=torch.tensor([base], dtype=torch.int32, device=w.device),
         k=k,
         layout=layout,
         tile_escapes=tiles,
+        list_records=lists[0],
+        list_values=lists[1],
     )
 
 

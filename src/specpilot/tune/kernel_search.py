@@ -44,11 +44,16 @@ CANDIDATES = (
     MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=3),
     MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=4),
     MmaConfig(block_r=64, block_k=512, num_warps=4, num_stages=2),
+    MmaConfig(block_r=64, block_k=512, num_warps=4, num_stages=3),
     MmaConfig(block_r=64, block_k=128, num_warps=4, num_stages=4),
     MmaConfig(block_r=128, block_k=256, num_warps=8, num_stages=3),
     MmaConfig(block_r=128, block_k=128, num_warps=8, num_stages=4),
 )
+"""Tilings the search sweeps. Stream-K (``MmaConfig.stream_k``) is left out: on the H100 it ran
+15-30% slower than split-K on every Llama-3-8B shape (docs/figures/issue-26.md)."""
 SPLITS = (1, 2, 3, 4, 6, 8)
+STREAMS = (1, 2, 3, 4)
+"""Programs per SM tried around a stream-K tiling (no new compile: only the grid changes)."""
 COMPILE_PRIOR_S = 6.0
 """Seconds one new compile is assumed to take before this search has timed one."""
 RUN_S = 0.4
@@ -129,7 +134,8 @@ class CompileBudget:
 
 def compile_key(cfg: MmaConfig, m: int, base: int) -> tuple[Any, ...]:
     """What a new Triton compile depends on (the kernel's constexprs; K splits are runtime)."""
-    return (cfg.block_r, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tokens(m), base)
+    return (cfg.block_r, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tokens(m), base,
+            cfg.stream_k > 0)  # fmt: skip
 
 
 def graph_time(calls: Sequence[Callable[[], Any]], device: torch.device, reps: int = 4) -> float:
@@ -179,9 +185,11 @@ def split_variants(
     cfg: MmaConfig, m: int, n: int, kp: int, device: torch.device
 ) -> list[MmaConfig]:
     """``cfg`` with each explicit K split of ``SPLITS`` that K allows (at most 16 programs per SM),
-    its automatic split left out (already timed)."""
+    its automatic split left out (already timed); a stream-K tiling with the other ``STREAMS``."""
     from specpilot.kernels.w12_mma import launch_shape
 
+    if cfg.stream_k:
+        return [replace(cfg, stream_k=s) for s in STREAMS if s != cfg.stream_k]
     grid, _, auto, _ = launch_shape(m, n, kp, cfg, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     fit = [
