@@ -143,19 +143,27 @@ def _k_step(
         w_mask = r_ok[:, None] & ((k0 + 4 * j) < k_hi)[None, :]
         s = tl.load(sm_ptr + w_off, mask=w_mask, other=0)
         c = tl.load(cb_ptr + w_off, mask=w_mask, other=0)
-    x_ptrs = x_ptr + toks[None, :] * stride_xm + kq[:, None]  # [W, BM]: x^T, quarter 0
-    x0 = _x_quarter(x_ptrs, kq, m_ok, K, 0, EVEN)
-    x1 = _x_quarter(x_ptrs, kq, m_ok, K, 1, EVEN)
-    x2 = _x_quarter(x_ptrs, kq, m_ok, K, 2, EVEN)
-    x3 = _x_quarter(x_ptrs, kq, m_ok, K, 3, EVEN)
-    if PTX:
+    if PTX:  # one dot over the step: the quarters joined into [BR, BK] (column q * W + j)
         base4 = tl.full((BLOCK_R, W), BASE * 0x01010101, tl.int32)
         w0, w1, w2, w3 = _decode_ptx(s, c, base4)
-        acc = tl.dot(w0, x0, acc)
-        acc = tl.dot(w1, x1, acc)
-        acc = tl.dot(w2, x2, acc)
-        acc = tl.dot(w3, x3, acc)
+        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [BR, W, 2, 2]: [r, j, i, h] quarter 2h+i
+        w_all = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_R, BLOCK_K))
+        cols = tl.arange(0, BLOCK_K)  # [BK] column q * W + j of w_all <-> x^T's row
+        jw = cols % W
+        ks = k0 + (jw // _Q) * _GROUP + (cols // W) * _Q + (jw % _Q)
+        ks = tl.max_contiguous(tl.multiple_of(ks, 16), 16)  # runs of 16 columns
+        x_ptrs = x_ptr + toks[None, :] * stride_xm + ks[:, None]  # [BK, BM]: x^T
+        if EVEN:
+            x_all = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+        else:
+            x_all = tl.load(x_ptrs, mask=m_ok[None, :] & (ks < K)[:, None], other=0.0)
+        acc = tl.dot(w_all, x_all, acc)  # [BR, BM]
     else:
+        x_ptrs = x_ptr + toks[None, :] * stride_xm + kq[:, None]  # [W, BM]: x^T, quarter 0
+        x0 = _x_quarter(x_ptrs, kq, m_ok, K, 0, EVEN)
+        x1 = _x_quarter(x_ptrs, kq, m_ok, K, 1, EVEN)
+        x2 = _x_quarter(x_ptrs, kq, m_ok, K, 2, EVEN)
+        x3 = _x_quarter(x_ptrs, kq, m_ok, K, 3, EVEN)
         acc = tl.dot(_quarter_ops(s, c, BASE, 0, INTERPRET), _x_operand(x0, INTERPRET), acc)
         acc = tl.dot(_quarter_ops(s, c, BASE, 1, INTERPRET), _x_operand(x1, INTERPRET), acc)
         acc = tl.dot(_quarter_ops(s, c, BASE, 2, INTERPRET), _x_operand(x2, INTERPRET), acc)
