@@ -30,8 +30,8 @@ ptxas serializes every wgmma of a kernel (C7515: each HGMMA waited for before th
 non-wgmma instruction may define an accumulator register between a wgmma and its wait; two
 things did that here and are avoided: the escape dots as ``mma.sync`` on the transposed
 accumulator, and the zeroed accumulator on the path that skips an empty K loop (hence
-``tl.assume``). On the H100 this alone took the Llama-3-8B layer from 0.92-1.00x to 1.04-1.19x
-cuBLAS at M = 16 (docs/figures/issue-26.md).
+``tl.assume``). On the H100 this alone took the Llama-3-8B shapes from 0.89-1.12x to 1.05-1.14x
+cuBLAS at M = 16, same tiling (docs/figures/issue-26.md).
 
 Exactness: the decoded operand is bit for bit the bf16 weight (the placeholder at escapes), a
 bf16 product is exact in fp32, every product enters one fp32 sum once: the result differs from
