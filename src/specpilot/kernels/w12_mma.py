@@ -51,7 +51,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels import pdl
 from specpilot.kernels.gemm_common import (
     MAX_COUNTER_TILES_M,
     MAX_SPLIT_K,
@@ -61,6 +60,7 @@ from specpilot.kernels.gemm_common import (
     k_splits,
     outputs,
 )
+from specpilot.kernels import pdl
 from specpilot.kernels.stream_k import programs, stream_store
 from specpilot.kernels.w12_decode import _bits_to_operand
 from specpilot.kernels.w12_escapes import apply_list, list_chunk
