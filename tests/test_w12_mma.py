@@ -156,7 +156,6 @@ def _group_sm90() -> None:
     for stream in (False, True):  # the split-K and the stream-K grid
         const = dict(BASE=110, HAS_BIAS=False, EVEN=True, PTX=True, BLOCK_R=128, BLOCK_K=256,
                      BLOCK_M=16, ESC_STEP=32, ESCAPES=True, MAX_SPLIT=16, STREAM=stream,
-                     PDL_TRIGGER=True, PDL_WAIT=not stream, PREFETCH_STEPS=4,
                      INTERPRET=False)  # fmt: skip
         src = ASTSource(_mma_kernel, sig | dict.fromkeys(const, "constexpr"), const, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})

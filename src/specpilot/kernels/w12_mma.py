@@ -60,7 +60,6 @@ from specpilot.kernels.gemm_common import (
     k_splits,
     outputs,
 )
-from specpilot.kernels import pdl
 from specpilot.kernels.stream_k import programs, stream_store
 from specpilot.kernels.w12_decode import _bits_to_operand
 from specpilot.kernels.w12_escapes import apply_list, list_chunk
@@ -104,18 +103,6 @@ def _decode_ptx(s, c, base4):
         _DECODE_V4, "=r,=r,=r,=r,r,r,r,r,r", [s, c, base4],
         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
     )  # fmt: skip
-
-
-_PREFETCH = tl.constexpr("cp.async.bulk.prefetch.L2.global [$1], $2;\n    mov.u32 $0, 0;")
-
-
-@triton.jit
-def _prefetch_rows(ptrs, nbytes):
-    """One bulk L2 prefetch of ``nbytes`` (a multiple of 16, 16-byte aligned) from each address
-    of ``ptrs`` (sm_90; a side effect, the result is a dummy)."""
-    return tl.inline_asm_elementwise(
-        _PREFETCH, "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -252,8 +239,7 @@ def _mma_kernel(
     BASE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, MAX_SPLIT: tl.constexpr,
-    STREAM: tl.constexpr, PDL_TRIGGER: tl.constexpr, PDL_WAIT: tl.constexpr,
-    PREFETCH_STEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    STREAM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     if STREAM:  # kernels/stream_k.py: program p takes steps [p, p + 1) * n_it // n_prog
         pid = tl.program_id(0)
@@ -283,14 +269,6 @@ def _mma_kernel(
         pid_k = tl.program_id(2)
         k_lo = pid_k * k_split
         k_hi = tl.minimum(k_lo + k_split, row_words * 4)
-        pdl.trigger(PDL_TRIGGER)
-        if PDL_WAIT:  # the weights are immutable: their first steps stream in before the wait
-            rows = tl.minimum(pid_n * BLOCK_R + tl.arange(0, BLOCK_R), N - 1)  # [BR]
-            cols = tl.minimum(k_hi - k_lo, PREFETCH_STEPS * BLOCK_K)  # multiple of 64
-            word = rows.to(tl.int64) * row_words + k_lo // 4  # [BR] first word of each row
-            _prefetch_rows(sm_ptr + word, cols)  # 1 byte per weight
-            _prefetch_rows(cb_ptr + word, cols // 2)  # half a byte per weight
-            pdl.wait(True)
         acc, rows, toks, r_ok, m_ok = _segment(
             pid_n, pid_m, k_lo, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr, cb_ptr, lrec_ptr,
             lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, BLOCK_M, ESC_STEP,
@@ -353,8 +331,6 @@ def w12_mma(
     length = cfg.block_r // 64 * cap
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     even = n % cfg.block_r == 0 and kp == k and kp % cfg.block_k == 0  # every step whole
-    can_pdl = pdl.supported(x.device) and not cfg.stream_k
-    wait = cfg.pdl and can_pdl
     _mma_kernel[grid](
         x, w.sm.view(torch.int32), w.codes.view(torch.int16), w.list_records, w.list_values,
         bias if bias is not None else x, y, part, counters,
@@ -362,10 +338,8 @@ def w12_mma(
         BASE=w.base, HAS_BIAS=bias is not None, EVEN=even, PTX=ptx and not interpret,
         BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_M=bm,
         ESC_STEP=min(length, 4 * cfg.block_r), ESCAPES=escapes and w.num_escapes > 0,
-        MAX_SPLIT=MAX_SPLIT_K, STREAM=cfg.stream_k > 0, PDL_TRIGGER=can_pdl, PDL_WAIT=wait,
-        PREFETCH_STEPS=cfg.num_stages + 1, INTERPRET=interpret,
+        MAX_SPLIT=MAX_SPLIT_K, STREAM=cfg.stream_k > 0, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if wait else {}),
     )  # fmt: skip
     return y
 

@@ -36,10 +36,6 @@ class MmaConfig:
     stream_k: int = 0
     """Programs per SM of a stream-K grid (``kernels/stream_k.py``: every SM streams the same
     number of K steps); 0: the split-K grid (``split_k``)."""
-    pdl: bool = False
-    """Launch with programmatic dependent launch (``kernels/pdl.py``; sm_90+, else ignored): each
-    program prefetches its first K steps of weights into L2 (bulk prefetch, one per row and
-    plane) while the kernel before it drains, then waits for it (split-K grid only)."""
 
     def __post_init__(self) -> None:
         if self.block_r % 64 or self.block_r < 64:
@@ -54,8 +50,6 @@ class MmaConfig:
             raise ValueError(f"split_k must be in 0..16, got {self.split_k}")
         if not 0 <= self.stream_k <= 8:
             raise ValueError(f"stream_k must be in 0..8, got {self.stream_k}")
-        if self.pdl and self.stream_k:
-            raise ValueError("pdl is for the split-K grid (stream_k = 0)")
 
     def tokens(self, m: int) -> int:
         """The token tile for M rows."""
