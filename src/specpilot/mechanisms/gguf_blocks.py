@@ -159,6 +159,34 @@ class NumbaSmallOps:
         )  # fmt: skip
         return torch.from_numpy(q)
 
+    def rope_write_attend(
+        self,
+        qkv: Tensor,  # [M, (Hq + 2 Hkv) D]
+        q_heads: int,
+        cos: Tensor,  # [M, 1, D]
+        sin: Tensor,
+        k_cache: Tensor,  # [1, Hkv, S, D]
+        v_cache: Tensor,
+        start: int,
+        attn_len: int,
+    ) -> Tensor | None:  # [M, Hq D]: causal attention of the new rows; K/V written
+        tensors = (qkv, cos, sin, k_cache, v_cache)
+        if any(t.dtype != torch.float32 or not _plain(t) for t in tensors) or qkv.dim() != 2:
+            return None
+        m, hkv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+        if (
+            k_cache.shape[0] != 1
+            or start + m > k_cache.shape[2]
+            or not 0 < attn_len <= k_cache.shape[2]
+        ):
+            return None
+        out = np.empty((m, q_heads * d), dtype=np.float32)
+        self._k.rope_write_attend(
+            qkv.numpy(), q_heads, hkv, cos.numpy(), sin.numpy(), k_cache.numpy(),
+            v_cache.numpy(), start, attn_len, out,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
 
 _FUSED = {
     "w_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -45,6 +45,18 @@ class SmallOps(Protocol):
         start: int,
     ) -> Tensor | None: ...  # q [M, Hq, D]; roped K and V written at slots start .. start + M - 1
 
+    def rope_write_attend(
+        self,
+        qkv: Tensor,  # [M, (Hq + 2 Hkv) D] fused q/k/v rows
+        q_heads: int,
+        cos: Tensor,  # [M, 1, D]
+        sin: Tensor,
+        k_cache: Tensor,  # [1, Hkv, S, D]
+        v_cache: Tensor,
+        start: int,
+        attn_len: int,
+    ) -> Tensor | None: ...  # [M, Hq D]: rope_write, then row i attends to slots < start + i + 1
+
 
 GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")
 """The matrices of a layer that also get an ``[in, out]`` copy on the CPU (add_gemv_copies)."""
