@@ -145,46 +145,30 @@ class NumbaSmallOps:
         k_cache: Tensor,  # [1, Hkv, S, D]
         v_cache: Tensor,
         start: int,
-    ) -> Tensor | None:  # q [M, Hq, D]; K/V written at slots start .. start + M - 1
-        tensors = (qkv, cos, sin, k_cache, v_cache)
-        if any(t.dtype != torch.float32 or not _plain(t) for t in tensors) or qkv.dim() != 2:
-            return None
-        hkv, d = k_cache.shape[1], k_cache.shape[3]
-        if k_cache.shape[0] != 1 or start + qkv.shape[0] > k_cache.shape[2]:
-            return None
-        q = np.empty((qkv.shape[0], q_heads, d), dtype=np.float32)
-        self._k.rope_qkv_write(
-            qkv.numpy(), q_heads, hkv, cos.numpy(), sin.numpy(), k_cache.numpy(),
-            v_cache.numpy(), start, q,
-        )  # fmt: skip
-        return torch.from_numpy(q)
-
-    def rope_write_attend(
-        self,
-        qkv: Tensor,  # [M, (Hq + 2 Hkv) D]
-        q_heads: int,
-        cos: Tensor,  # [M, 1, D]
-        sin: Tensor,
-        k_cache: Tensor,  # [1, Hkv, S, D]
-        v_cache: Tensor,
-        start: int,
-        attn_len: int,
-    ) -> Tensor | None:  # [M, Hq D]: causal attention of the new rows; K/V written
+        attn_len: int = 0,
+    ) -> Tensor | None:  # q [M, Hq, D] (attn_len 0), else the causal attention [M, Hq D]
         tensors = (qkv, cos, sin, k_cache, v_cache)
         if any(t.dtype != torch.float32 or not _plain(t) for t in tensors) or qkv.dim() != 2:
             return None
         m, hkv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
-        if (
-            k_cache.shape[0] != 1
-            or start + m > k_cache.shape[2]
-            or not 0 < attn_len <= k_cache.shape[2]
-        ):
+        if k_cache.shape[0] != 1 or start + m > k_cache.shape[2] or attn_len > k_cache.shape[2]:
             return None
+        args = (
+            qkv.numpy(),
+            q_heads,
+            hkv,
+            cos.numpy(),
+            sin.numpy(),
+            k_cache.numpy(),
+            v_cache.numpy(),
+            start,
+        )
+        if attn_len <= 0:
+            q = np.empty((m, q_heads, d), dtype=np.float32)
+            self._k.rope_qkv_write(*args, q)
+            return torch.from_numpy(q)
         out = np.empty((m, q_heads * d), dtype=np.float32)
-        self._k.rope_write_attend(
-            qkv.numpy(), q_heads, hkv, cos.numpy(), sin.numpy(), k_cache.numpy(),
-            v_cache.numpy(), start, attn_len, out,
-        )  # fmt: skip
+        self._k.rope_write_attend(*args, attn_len, out)
         return torch.from_numpy(out)
 
 

@@ -235,8 +235,8 @@ class Forward(Generic[NetT]):
         lay: Layout,
     ) -> Tensor | None:  # [M, H*D], or None: rope_write and attend run
         """CPU small ops: RoPE, K/V write and causal attention of a batch-1 dense block with a
-        host-known start (AR steps, the chain verify) in one call (``SmallOps.rope_write_attend``);
-        None elsewhere (the Triton path, q/k norm, a non-causal or caller's own mask)."""
+        host-known start (AR steps, the chain verify) in one call (``SmallOps.rope_write`` with
+        ``attn_len``); None elsewhere (the Triton path, q/k norm, a non-causal or own mask)."""
         ops = getattr(self.model, "small_ops", None)
         if ops is None or self._k is not None or layer.q_norm is not None:
             return None
@@ -245,7 +245,7 @@ class Forward(Generic[NetT]):
         if not lay.causal or lay.start is None:
             return None  # only build's causal block_mask (or none, one exact row) is the kernel's
         cos, sin = lay.cos_sin(self.model.rope_cos, self.model.rope_sin)
-        return ops.rope_write_attend(
+        return ops.rope_write(
             qkv, self.cfg.num_heads, cos, sin, k_cache, v_cache, lay.write_start, lay.attn_len
         )
 
