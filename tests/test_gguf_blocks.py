@@ -206,11 +206,28 @@ def test_rope_write_attend_is_the_torch_paths_and_rows_are_ar_steps():
             one = dense(start + i, 1, host_start=start + i)
             rows.append(fwd.rope_write_attend(layer, qkv[i : i + 1], *caches[2], one))
         assert torch.equal(torch.cat(rows), got)
-    # not served (torch's path runs): a non-causal block, a layout without a host start
+    # not served (torch's path runs): a non-causal block, a layout without a host start, a
+    # block wider than the rows the attention is set to serve (SDPA for every row of it)
     qkv = torch.randn(2, 10 * 32, generator=g)
+    model.small_ops = NumbaSmallOps(attend_rows=1)
+    assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], dense(4, 2, host_start=4)) is None
+    assert (
+        fwd.rope_write_attend(layer, qkv[:1], kv[0], kv[1], dense(4, 1, host_start=4)) is not None
+    )
+    model.small_ops = ops
     block = dense(4, 2, causal=False, host_start=4)
     assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], block) is None
     assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], dense(4, 2)) is None
+
+
+def test_attention_choice_by_the_widest_block():
+    """ "auto": the numba attention where every block is narrow enough for it to win (AR, k <= 2),
+    SDPA otherwise; one choice per engine, so that AR and verify rows take the same kernel."""
+    from specpilot.mechanisms.gguf_blocks import ATTEND_ROWS, attend_rows
+
+    assert attend_rows("auto", 1, 32) == 32 and attend_rows("auto", ATTEND_ROWS, 32) == 32
+    assert attend_rows("auto", ATTEND_ROWS + 1, 32) == 0 and attend_rows("auto", 9, 16) == 0
+    assert attend_rows("numba", 9, 16) == 16 and attend_rows("sdpa", 1, 32) == 0
 
 
 @pytest.mark.slow

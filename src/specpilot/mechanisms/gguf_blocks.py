@@ -101,10 +101,13 @@ class NumbaSmallOps:
     CPU tensors in one numba call each (``kernels/gguf_small.py``; ``Transformer.small_ops``);
     None for anything else (the torch path then runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attend_rows: int = MAX_M) -> None:
+        """``attend_rows``: blocks of up to this many rows take their attention here
+        (``rope_write`` with ``attn_len``); wider ones, and all with 0, SDPA's."""
         from specpilot.kernels import gguf_small
 
         self._k = gguf_small
+        self.attend_rows = attend_rows
         self._views: dict[int, tuple[Tensor, np.ndarray]] = {}
         """id of a norm weight -> (the weight, its numpy view): made once (~2 us each call)."""
 
@@ -163,6 +166,8 @@ class NumbaSmallOps:
             v_cache.numpy(),
             start,
         )
+        if attn_len > 0 and m > self.attend_rows:
+            return None
         if attn_len <= 0:
             q = np.empty((m, q_heads, d), dtype=np.float32)
             self._k.rope_qkv_write(*args, q)
@@ -200,11 +205,26 @@ def _merge(parts: list[Packed]) -> list[Packed]:
     return out
 
 
+ATTEND_ROWS = 3
+"""Widest verify block whose attention the numba kernel wins (2 cores, SmolLM2, 300 keys, us a
+layer with RoPE and the K/V write, numba vs torch's SDPA: 1 row 25 vs 38, 2: 38 vs 45, 4: 65
+vs 58, 9: 132 vs 88): every row of an engine must take one kernel (spec == AR bit for bit),
+so ``attention`` "auto" picks by the engine's widest block."""
+
+
+def attend_rows(choice: str, widest: int, max_m: int) -> int:
+    """Rows up to which the numba attention runs: ``max_m`` ("numba", or "auto" when the
+    engine's widest verify block ``widest`` is at most ``ATTEND_ROWS``), else 0 (SDPA)."""
+    if choice == "numba" or (choice == "auto" and widest <= ATTEND_ROWS):
+        return max_m
+    return 0
+
+
 def install(
-    model: Transformer, path: str, threads: int = 0, max_m: int = MAX_M
+    model: Transformer, path: str, threads: int = 0, max_m: int = MAX_M, attend: int = MAX_M
 ) -> dict[str, float]:
     """Install the block kernels on ``model`` (loaded from the GGUF at ``path``); products of
-    more than ``max_m`` rows keep the fp32 path."""
+    more than ``max_m`` rows keep the fp32 path, blocks of more than ``attend`` rows SDPA."""
     import numba
 
     from specpilot.loading.gguf_blocks import read_blocks
@@ -232,7 +252,7 @@ def install(
         model.lm_head_fn = lin
         stored += 8.0 * lin.nbytes()
         weights += float(model.lm_head.numel())
-    model.small_ops = NumbaSmallOps()
+    model.small_ops = NumbaSmallOps(attend)
     return {"bits_per_weight": stored / max(weights, 1.0), "weights": weights}
 
 
@@ -249,7 +269,10 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         build.notes.append("gguf-blocks: the target is no GGUF file; nothing installed.")
         return
-    stats = install(build.target.model, str(path), int(knobs["threads"]), int(knobs["max_m"]))
+    max_m = int(knobs["max_m"])
+    widest = 1 if build.drafter is None else build.drafter.k + 1
+    attend = attend_rows(str(knobs["attention"]), widest, max_m)
+    stats = install(build.target.model, str(path), int(knobs["threads"]), max_m, attend)
     build.notes.append(f"gguf-blocks: {stats['bits_per_weight']:.2f} bits/weight")
 
 
@@ -296,6 +319,13 @@ MECHANISM = Mechanism(
             MAX_M,
             choices=(16, 32, 64),
             doc="widest product on the blocks; wider (a prefill) runs on the fp32 weights",
+        ),
+        Knob(
+            "attention",
+            "auto",
+            choices=("auto", "numba", "sdpa"),
+            doc="attention of eager batch-1 blocks: numba (with RoPE and the K/V write, one "
+            "call) or SDPA; auto: numba when the widest verify block is at most 3 rows",
         ),
     ),
     applies=Applicability(devices=("cpu",), dtypes=("fp32", "float32")),
