@@ -230,6 +230,24 @@ def test_attention_choice_by_the_widest_block():
     assert attend_rows("numba", 9, 16) == 16 and attend_rows("sdpa", 1, 32) == 0
 
 
+def test_tune_searches_the_draft_length_with_the_blocks():
+    """gguf-blocks makes the verify cheap, so its direction carries ``k`` too where the
+    deployment drafts (and only its own knobs where it does not)."""
+    from specpilot.engine.config import EngineConfig
+    from specpilot.engine.deployment import DeploymentSpec
+    from specpilot.tune.space import _mechanism_direction
+
+    base = EngineConfig(DeploymentSpec("smollm2-135m", drafter="ngram", device="cpu"), k=8)
+    d = _mechanism_direction("gguf-blocks", "cpu", base)
+    assert [p.name for p in d.params][-1] == "k" and d.params[-1].default == 8
+    cfg = d.derive(base, {"threads": 0, "max_m": 32, "attention": "auto", "k": 12})
+    assert cfg.k == 12 and cfg.mechanisms["gguf-blocks"] == {
+        "threads": 0, "max_m": 32, "attention": "auto",
+    }  # fmt: skip
+    ar = EngineConfig(DeploymentSpec("smollm2-135m", drafter="none", device="cpu"), k=0)
+    assert "k" not in [p.name for p in _mechanism_direction("gguf-blocks", "cpu", ar).params]
+
+
 @pytest.mark.slow
 def test_engine_with_blocks_speculative_equals_ar():
     from specpilot.drafters import make_drafter

@@ -329,6 +329,7 @@ MECHANISM = Mechanism(
         ),
     ),
     applies=Applicability(devices=("cpu",), dtypes=("fp32", "float32")),
+    joint_k=True,
     summary="compute linear layers and the LM head from the GGUF's own Q4/Q8/K blocks (numba)",
     screen=_screen,
 )
