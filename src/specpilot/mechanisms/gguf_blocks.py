@@ -5,13 +5,16 @@ Plug point ``linear_weights``: ``apply`` reads the blocks (``loading/gguf_blocks
 q/k/v and gate/up by rows as the network does, and installs :class:`BlockLinear` in every
 ``DecoderLayer.linear_fns`` and in ``Transformer.lm_head_fn``. The fp32 parameters stay (the
 stock reference); the kernels read ~4.5-9 bits per weight instead of 32. It also sets
-``Transformer.small_ops`` (:class:`NumbaSmallOps`): RMSNorm and RoPE in one numba call each.
+``Transformer.small_ops`` (:class:`NumbaSmallOps`): RMSNorm and RoPE in one numba call each,
+and RoPE + K/V write + causal attention of a batch-1 eager block in one (knob ``attention``).
 
 Lossless: every block type's ``d·q`` is an exact fp32 product, so the fused multiply-add rounds
 once to exactly the weight gguf's dequantization gives (the stock path's fp32 weights, proven per
 block type and on every tensor of the real file by tests/test_gguf_blocks.py); only the fp32
-summation order differs (and RMSNorm's sum of squares, fp64 there; RoPE is bit for bit the
-torch path's), which the near-tie tolerance covers and token forcing checks.
+summation order differs (and RMSNorm's sum of squares, fp64 there; the attention's order and
+``exp``, libm's there; RoPE and the K/V writes are bit for bit the torch path's), which the
+near-tie tolerance covers and token forcing checks. Every row of an engine takes the same
+kernels whatever the block's width (up to ``max_m``), so fp32 speculative output equals AR.
 A machine without numba gets one line and keeps the fp32 path.
 """
 
@@ -303,7 +306,8 @@ MECHANISM = Mechanism(
         "The kernels multiply the GGUF's blocks dequantized in registers with one fused "
         "multiply-add over an exact product, bit-identical to gguf's dequantization (the stock "
         "fp32 weights; tested per block type and on every tensor of the real file); only fp32 "
-        "summation order differs. Argument in mechanisms/gguf_blocks.py."
+        "summation order differs (and the numba attention's exp: ulps, token-forced); every row "
+        "takes the same kernels at every width. Argument in mechanisms/gguf_blocks.py."
     ),
     apply=_apply,
     knobs=(
