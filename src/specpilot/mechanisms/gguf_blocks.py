@@ -159,6 +159,8 @@ class NumbaSmallOps:
         m, hkv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
         if k_cache.shape[0] != 1 or start + m > k_cache.shape[2] or attn_len > k_cache.shape[2]:
             return None
+        if attn_len > 0 and m > self.attend_rows:  # SDPA's attention for the whole block
+            return None
         args = (
             qkv.numpy(),
             q_heads,
@@ -169,8 +171,6 @@ class NumbaSmallOps:
             v_cache.numpy(),
             start,
         )
-        if attn_len > 0 and m > self.attend_rows:
-            return None
         if attn_len <= 0:
             q = np.empty((m, q_heads, d), dtype=np.float32)
             self._k.rope_qkv_write(*args, q)
