@@ -4,6 +4,8 @@ with the mechanism decodes the same tokens speculatively as autoregressively."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -244,6 +246,8 @@ def test_tune_searches_the_draft_length_with_the_blocks():
     assert cfg.k == 12 and cfg.mechanisms["gguf-blocks"] == {
         "threads": 0, "max_m": 32, "attention": "auto",
     }  # fmt: skip
+    dflash = dataclasses.replace(base, deployment=DeploymentSpec("smollm2-135m", drafter="dflash"))
+    assert d.derive(dataclasses.replace(dflash, k=3), {"k": 12}).k == 3  # its block fixes k
     ar = EngineConfig(DeploymentSpec("smollm2-135m", drafter="none", device="cpu"), k=0)
     assert "k" not in [p.name for p in _mechanism_direction("gguf-blocks", "cpu", ar).params]
 

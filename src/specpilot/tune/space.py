@@ -126,7 +126,8 @@ def early_exit_layers(num_layers: int) -> tuple[int, ...]:
 
 def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Direction:
     """A mechanism's knobs; with ``Mechanism.joint_k`` and a drafting deployment the draft
-    length too (seeds keep the base's ``k``)."""
+    length too, for the base's drafter (another drafter a later best switched to, e.g. a DFlash
+    block whose length is fixed, keeps its ``k``)."""
     mech = MECHANISMS[name]
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
     joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
@@ -134,7 +135,8 @@ def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Directio
 
     def derive(cfg: EngineConfig, p: dict[str, Any]) -> EngineConfig:
         knobs = {n: v for n, v in p.items() if n != "k"}
-        k = int(p["k"]) if joint and "k" in p else cfg.k
+        same = cfg.deployment.drafter == base.deployment.drafter
+        k = int(p["k"]) if joint and same and "k" in p else cfg.k
         return dataclasses.replace(cfg, k=k, mechanisms={**cfg.mechanisms, name: knobs})
 
     return Direction(
