@@ -4,6 +4,8 @@ with the mechanism decodes the same tokens speculatively as autoregressively."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -165,6 +167,89 @@ def test_small_ops_are_the_torch_paths():
         with torch.no_grad():
             layer.post_attn_norm.mul_(-1)
     assert ops.rms_norm(x.requires_grad_(), w, 1e-5) is None  # training: torch's ops (autograd)
+
+
+def test_rope_write_attend_is_the_torch_paths_and_rows_are_ar_steps():
+    """RoPE, K/V write and causal attention in one numba call: q/K/V bit for bit the torch
+    path's, attention within a few ulps of SDPA's (summation order, exp); each row of a
+    verify block equals the one-row step at its position bit for bit (spec == AR in fp32)."""
+    from specpilot.config import ModelConfig
+    from specpilot.mechanisms.gguf_blocks import NumbaSmallOps
+    from specpilot.models.layout import DenseLayout
+    from specpilot.models.transformer import Transformer
+
+    cfg = ModelConfig(
+        arch="llama", vocab_size=64, hidden_size=192, intermediate_size=64, num_layers=1,
+        num_heads=6, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
+    )  # fmt: skip
+    model = Transformer(cfg, dtype=torch.float32, max_positions=512)
+    fwd, ops, layer = model.stock_forward(), NumbaSmallOps(), model.layers[0]
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(2, 1, 2, 512, 32, generator=g)  # K, V caches [1, H_kv, S, D]
+
+    def dense(start: int, m: int, **kw: bool) -> DenseLayout:
+        return DenseLayout.build(torch.tensor([start]), m, start + m, 3, torch.float32, **kw)
+
+    for start, m in ((0, 1), (0, 4), (200, 1), (200, 9)):
+        qkv = torch.randn(m, 10 * 32, generator=g)  # [M, q + 2kv]
+        lay = dense(start, m, host_start=start)
+        caches = [(kv[0].clone(), kv[1].clone()) for _ in range(3)]
+        model.small_ops = None
+        assert fwd.rope_write_attend(layer, qkv, *caches[0], lay) is None
+        q = fwd.rope_write(layer, qkv, *caches[0], lay, cfg.num_heads)
+        want = fwd.attend(q, *caches[0], lay)  # [M, H*D]
+        model.small_ops = ops
+        got = fwd.rope_write_attend(layer, qkv, *caches[1], lay)
+        assert got is not None and got.shape == want.shape
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        rows = []
+        for i in range(m):  # the same rows as AR steps, one at a time
+            one = dense(start + i, 1, host_start=start + i)
+            rows.append(fwd.rope_write_attend(layer, qkv[i : i + 1], *caches[2], one))
+        assert torch.equal(torch.cat(rows), got)
+    # not served (torch's path runs): a non-causal block, a layout without a host start, a
+    # block wider than the rows the attention is set to serve (SDPA for every row of it)
+    qkv = torch.randn(2, 10 * 32, generator=g)
+    model.small_ops = NumbaSmallOps(attend_rows=1)
+    assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], dense(4, 2, host_start=4)) is None
+    assert (
+        fwd.rope_write_attend(layer, qkv[:1], kv[0], kv[1], dense(4, 1, host_start=4)) is not None
+    )
+    model.small_ops = ops
+    block = dense(4, 2, causal=False, host_start=4)
+    assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], block) is None
+    assert fwd.rope_write_attend(layer, qkv, kv[0], kv[1], dense(4, 2)) is None
+
+
+def test_attention_choice_by_the_widest_block():
+    """ "auto": the numba attention where every block is narrow enough for it to win (AR, k <= 2),
+    SDPA otherwise; one choice per engine, so that AR and verify rows take the same kernel."""
+    from specpilot.mechanisms.gguf_blocks import ATTEND_ROWS, attend_rows
+
+    assert attend_rows("auto", 1, 32) == 32 and attend_rows("auto", ATTEND_ROWS, 32) == 32
+    assert attend_rows("auto", ATTEND_ROWS + 1, 32) == 0 and attend_rows("auto", 9, 16) == 0
+    assert attend_rows("numba", 9, 16) == 16 and attend_rows("sdpa", 1, 32) == 0
+
+
+def test_tune_searches_the_draft_length_with_the_blocks():
+    """gguf-blocks makes the verify cheap, so its direction carries ``k`` too where the
+    deployment drafts (and only its own knobs where it does not)."""
+    from specpilot.engine.config import EngineConfig
+    from specpilot.engine.deployment import DeploymentSpec
+    from specpilot.tune.space import _mechanism_direction
+
+    base = EngineConfig(DeploymentSpec("smollm2-135m", drafter="ngram", device="cpu"), k=8)
+    d = _mechanism_direction("gguf-blocks", "cpu", base)
+    assert [p.name for p in d.params][-1] == "k" and d.params[-1].default == 8
+    cfg = d.derive(base, {"threads": 0, "max_m": 32, "attention": "auto", "k": 12})
+    assert cfg.k == 12 and cfg.mechanisms["gguf-blocks"] == {
+        "threads": 0, "max_m": 32, "attention": "auto",
+    }  # fmt: skip
+    dflash = dataclasses.replace(base, deployment=DeploymentSpec("smollm2-135m", drafter="dflash"))
+    assert d.derive(dataclasses.replace(dflash, k=3), {"k": 12}).k == 3  # its block fixes k
+    ar = EngineConfig(DeploymentSpec("smollm2-135m", drafter="none", device="cpu"), k=0)
+    assert "k" not in [p.name for p in _mechanism_direction("gguf-blocks", "cpu", ar).params]
 
 
 @pytest.mark.slow

@@ -15,6 +15,9 @@ Each output row's weights are decoded in registers, 32 at a time, and multiplied
 up to 8 rows of ``x``, two weight rows at a time below 8 (``gguf_simd.rows8``, ``pair4`` ..; a
 verify of ``M`` rows decodes each weight ``ceil(M / 8)``-few times, not ``M`` times). Every row of ``x`` takes the same summation order
 whatever ``M`` (``gguf_simd``'s two chains); only that order differs from the stock path.
+
+numba's cache (``cache=True``) is keyed on this file's own stamp, not on ``gguf_simd.py``'s: a
+change to the inner loops there must touch this file too, or a stale compiled ``gemm`` loads.
 """
 
 from __future__ import annotations

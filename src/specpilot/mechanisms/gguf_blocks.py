@@ -5,13 +5,16 @@ Plug point ``linear_weights``: ``apply`` reads the blocks (``loading/gguf_blocks
 q/k/v and gate/up by rows as the network does, and installs :class:`BlockLinear` in every
 ``DecoderLayer.linear_fns`` and in ``Transformer.lm_head_fn``. The fp32 parameters stay (the
 stock reference); the kernels read ~4.5-9 bits per weight instead of 32. It also sets
-``Transformer.small_ops`` (:class:`NumbaSmallOps`): RMSNorm and RoPE in one numba call each.
+``Transformer.small_ops`` (:class:`NumbaSmallOps`): RMSNorm and RoPE in one numba call each,
+and RoPE + K/V write + causal attention of a batch-1 eager block in one (knob ``attention``).
 
 Lossless: every block type's ``d·q`` is an exact fp32 product, so the fused multiply-add rounds
 once to exactly the weight gguf's dequantization gives (the stock path's fp32 weights, proven per
 block type and on every tensor of the real file by tests/test_gguf_blocks.py); only the fp32
-summation order differs (and RMSNorm's sum of squares, fp64 there; RoPE is bit for bit the
-torch path's), which the near-tie tolerance covers and token forcing checks.
+summation order differs (and RMSNorm's sum of squares, fp64 there; the attention's order and
+``exp``, libm's there; RoPE and the K/V writes are bit for bit the torch path's), which the
+near-tie tolerance covers and token forcing checks. Every row of an engine takes the same
+kernels whatever the block's width (up to ``max_m``), so fp32 speculative output equals AR.
 A machine without numba gets one line and keeps the fp32 path.
 """
 
@@ -101,10 +104,13 @@ class NumbaSmallOps:
     CPU tensors in one numba call each (``kernels/gguf_small.py``; ``Transformer.small_ops``);
     None for anything else (the torch path then runs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attend_rows: int = MAX_M) -> None:
+        """``attend_rows``: blocks of up to this many rows take their attention here
+        (``rope_write`` with ``attn_len``); wider ones, and all with 0, SDPA's."""
         from specpilot.kernels import gguf_small
 
         self._k = gguf_small
+        self.attend_rows = attend_rows
         self._views: dict[int, tuple[Tensor, np.ndarray]] = {}
         """id of a norm weight -> (the weight, its numpy view): made once (~2 us each call)."""
 
@@ -145,19 +151,33 @@ class NumbaSmallOps:
         k_cache: Tensor,  # [1, Hkv, S, D]
         v_cache: Tensor,
         start: int,
-    ) -> Tensor | None:  # q [M, Hq, D]; K/V written at slots start .. start + M - 1
+        attn_len: int = 0,
+    ) -> Tensor | None:  # q [M, Hq, D] (attn_len 0), else the causal attention [M, Hq D]
         tensors = (qkv, cos, sin, k_cache, v_cache)
         if any(t.dtype != torch.float32 or not _plain(t) for t in tensors) or qkv.dim() != 2:
             return None
-        hkv, d = k_cache.shape[1], k_cache.shape[3]
-        if k_cache.shape[0] != 1 or start + qkv.shape[0] > k_cache.shape[2]:
+        m, hkv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+        if k_cache.shape[0] != 1 or start + m > k_cache.shape[2] or attn_len > k_cache.shape[2]:
             return None
-        q = np.empty((qkv.shape[0], q_heads, d), dtype=np.float32)
-        self._k.rope_qkv_write(
-            qkv.numpy(), q_heads, hkv, cos.numpy(), sin.numpy(), k_cache.numpy(),
-            v_cache.numpy(), start, q,
-        )  # fmt: skip
-        return torch.from_numpy(q)
+        if attn_len > 0 and m > self.attend_rows:  # SDPA's attention for the whole block
+            return None
+        args = (
+            qkv.numpy(),
+            q_heads,
+            hkv,
+            cos.numpy(),
+            sin.numpy(),
+            k_cache.numpy(),
+            v_cache.numpy(),
+            start,
+        )
+        if attn_len <= 0:
+            q = np.empty((m, q_heads, d), dtype=np.float32)
+            self._k.rope_qkv_write(*args, q)
+            return torch.from_numpy(q)
+        out = np.empty((m, q_heads * d), dtype=np.float32)
+        self._k.rope_write_attend(*args, attn_len, out)
+        return torch.from_numpy(out)
 
 
 _FUSED = {
@@ -188,11 +208,26 @@ def _merge(parts: list[Packed]) -> list[Packed]:
     return out
 
 
+ATTEND_ROWS = 3
+"""Widest verify block whose attention the numba kernel wins (2 cores, SmolLM2, 300 keys, us a
+layer with RoPE and the K/V write, numba vs torch's SDPA: 1 row 25 vs 38, 2: 38 vs 45, 4: 65
+vs 58, 9: 132 vs 88): every row of an engine must take one kernel (spec == AR bit for bit),
+so ``attention`` "auto" picks by the engine's widest block."""
+
+
+def attend_rows(choice: str, widest: int, max_m: int) -> int:
+    """Rows up to which the numba attention runs: ``max_m`` ("numba", or "auto" when the
+    engine's widest verify block ``widest`` is at most ``ATTEND_ROWS``), else 0 (SDPA)."""
+    if choice == "numba" or (choice == "auto" and widest <= ATTEND_ROWS):
+        return max_m
+    return 0
+
+
 def install(
-    model: Transformer, path: str, threads: int = 0, max_m: int = MAX_M
+    model: Transformer, path: str, threads: int = 0, max_m: int = MAX_M, attend: int = MAX_M
 ) -> dict[str, float]:
     """Install the block kernels on ``model`` (loaded from the GGUF at ``path``); products of
-    more than ``max_m`` rows keep the fp32 path."""
+    more than ``max_m`` rows keep the fp32 path, blocks of more than ``attend`` rows SDPA."""
     import numba
 
     from specpilot.loading.gguf_blocks import read_blocks
@@ -220,7 +255,7 @@ def install(
         model.lm_head_fn = lin
         stored += 8.0 * lin.nbytes()
         weights += float(model.lm_head.numel())
-    model.small_ops = NumbaSmallOps()
+    model.small_ops = NumbaSmallOps(attend)
     return {"bits_per_weight": stored / max(weights, 1.0), "weights": weights}
 
 
@@ -237,7 +272,10 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         build.notes.append("gguf-blocks: the target is no GGUF file; nothing installed.")
         return
-    stats = install(build.target.model, str(path), int(knobs["threads"]), int(knobs["max_m"]))
+    max_m = int(knobs["max_m"])
+    widest = 1 if build.drafter is None else build.drafter.k + 1
+    attend = attend_rows(str(knobs["attention"]), widest, max_m)
+    stats = install(build.target.model, str(path), int(knobs["threads"]), max_m, attend)
     build.notes.append(f"gguf-blocks: {stats['bits_per_weight']:.2f} bits/weight")
 
 
@@ -268,7 +306,8 @@ MECHANISM = Mechanism(
         "The kernels multiply the GGUF's blocks dequantized in registers with one fused "
         "multiply-add over an exact product, bit-identical to gguf's dequantization (the stock "
         "fp32 weights; tested per block type and on every tensor of the real file); only fp32 "
-        "summation order differs. Argument in mechanisms/gguf_blocks.py."
+        "summation order differs (and the numba attention's exp: ulps, token-forced); every row "
+        "takes the same kernels at every width. Argument in mechanisms/gguf_blocks.py."
     ),
     apply=_apply,
     knobs=(
@@ -285,8 +324,16 @@ MECHANISM = Mechanism(
             choices=(16, 32, 64),
             doc="widest product on the blocks; wider (a prefill) runs on the fp32 weights",
         ),
+        Knob(
+            "attention",
+            "auto",
+            choices=("auto", "numba", "sdpa"),
+            doc="attention of eager batch-1 blocks: numba (with RoPE and the K/V write, one "
+            "call) or SDPA; auto: numba when the widest verify block is at most 3 rows",
+        ),
     ),
     applies=Applicability(devices=("cpu",), dtypes=("fp32", "float32")),
+    joint_k=True,
     summary="compute linear layers and the LM head from the GGUF's own Q4/Q8/K blocks (numba)",
     screen=_screen,
 )

@@ -136,6 +136,10 @@ class Mechanism:
     """Per device type, knob settings (the rest at their defaults) the tuner tries right after
     the defaults: points a measurement on that device found better than the defaults, so that a
     short search reaches them (e.g. the 48-node tree on the H200)."""
+    joint_k: bool = False
+    """The tuner searches the draft length with its knobs (where the deployment drafts): a
+    mechanism that changes what a verify costs moves the best ``k`` (e.g. gguf-blocks on the
+    CPU, where cheap weights make the verify compute-bound)."""
     screen: Callable[[ConfigView], str | None] | None = None
     """The cost model's verdict on a deployment it applies to: a reason not to try it there (it
     cannot win), or None (try it). None: always try it."""

@@ -226,6 +226,29 @@ class Forward(Generic[NetT]):
         q = self._rope(qkv[:, :q_cols].reshape(m, q_heads, d), cos, sin, layer.q_norm)
         return lay.place_q(q, hkv)
 
+    def rope_write_attend(
+        self,
+        layer: DecoderLayer,
+        qkv: Tensor,  # [M, q + 2kv]
+        k_cache: Tensor,  # [B, H_kv, S, D]
+        v_cache: Tensor,
+        lay: Layout,
+    ) -> Tensor | None:  # [M, H*D], or None: rope_write and attend run
+        """CPU small ops: RoPE, K/V write and causal attention of a batch-1 dense block with a
+        host-known start (AR steps, the chain verify) in one call (``SmallOps.rope_write`` with
+        ``attn_len``); None elsewhere (the Triton path, q/k norm, a non-causal or own mask)."""
+        ops = getattr(self.model, "small_ops", None)
+        if ops is None or self._k is not None or layer.q_norm is not None:
+            return None
+        if not isinstance(lay, DenseLayout) or lay.write_start is None or lay.batch != 1:
+            return None
+        if not lay.causal or lay.start is None:
+            return None  # only build's causal block_mask (or none, one exact row) is the kernel's
+        cos, sin = lay.cos_sin(self.model.rope_cos, self.model.rope_sin)
+        return ops.rope_write(
+            qkv, self.cfg.num_heads, cos, sin, k_cache, v_cache, lay.write_start, lay.attn_len
+        )
+
     def attend(
         self,
         q: Tensor,  # [B, H_kv, G*W, D]
@@ -279,8 +302,10 @@ class Forward(Generic[NetT]):
             at("w_qkv")
             qkv = self.linear(layer, "w_qkv", hn, layer.b_qkv)  # [M, q + 2kv]
         at("attention")
-        q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
-        attn = self.attend(q, k_cache, v_cache, lay)  # [M, H*D]
+        attn = self.rope_write_attend(layer, qkv, k_cache, v_cache, lay)  # [M, H*D] or None
+        if attn is None:
+            q = self.rope_write(layer, qkv, k_cache, v_cache, lay, cfg.num_heads)
+            attn = self.attend(q, k_cache, v_cache, lay)  # [M, H*D]
         at("w_o")
         if conv_a is None:
             x = self.linear_residual(x, attn, layer, "w_o")

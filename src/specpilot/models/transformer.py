@@ -43,7 +43,12 @@ class SmallOps(Protocol):
         k_cache: Tensor,  # [1, Hkv, S, D]
         v_cache: Tensor,
         start: int,
-    ) -> Tensor | None: ...  # q [M, Hq, D]; roped K and V written at slots start .. start + M - 1
+        attn_len: int = 0,
+    ) -> Tensor | None:
+        """Roped K and V written at slots ``start .. start + M - 1``; returns the roped q
+        ``[M, Hq, D]`` (``attn_len`` 0), or row i's causal attention over the slots
+        ``< min(start + i + 1, attn_len)`` ``[M, Hq D]``; None: the torch path runs."""
+        ...
 
 
 GEMV_WEIGHTS = ("w_qkv", "w_o", "w_gate_up", "w_down")

@@ -124,17 +124,25 @@ def early_exit_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(1, round(num_layers * f)), num_layers - 1) for f in fracs}))
 
 
-def _mechanism_direction(name: str, device: str) -> Direction:
+def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Direction:
+    """A mechanism's knobs; with ``Mechanism.joint_k`` and a drafting deployment the draft
+    length too, for the base's drafter (another drafter a later best switched to, e.g. a DFlash
+    block whose length is fixed, keeps its ``k``)."""
     mech = MECHANISMS[name]
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
+    joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
+    params = mech.knobs + ((Knob("k", min(base.k, 16), low=1, high=16),) if joint else ())
 
-    def derive(base: EngineConfig, p: dict[str, Any]) -> EngineConfig:
-        return dataclasses.replace(base, mechanisms={**base.mechanisms, name: dict(p)})
+    def derive(cfg: EngineConfig, p: dict[str, Any]) -> EngineConfig:
+        knobs = {n: v for n, v in p.items() if n != "k"}
+        same = cfg.deployment.drafter == base.deployment.drafter
+        k = int(p["k"]) if joint and same and "k" in p else cfg.k
+        return dataclasses.replace(cfg, k=k, mechanisms={**cfg.mechanisms, name: knobs})
 
     return Direction(
         name=f"mechanism:{name}",
-        attacks=(mech.component,),
-        params=mech.knobs,
+        attacks=(mech.component,) + (("verify",) if joint else ()),
+        params=params,
         derive=derive,
         seeds=seeds,
     )
@@ -238,7 +246,7 @@ def directions_for(
     for name, mech in sorted(MECHANISMS.items()):
         allowed = mech.applies.allows(device, dep.dtype, dep.drafter, dep.mode, arch)
         if allowed and mech.screened_out(base) is None:
-            out.append(_mechanism_direction(name, device))
+            out.append(_mechanism_direction(name, device, base))
     return out
 
 
