@@ -287,8 +287,9 @@ def run(args: argparse.Namespace) -> int:
     with MemoryStore(args.memory or default_memory()) as store:
         from specpilot.tune.kernel_search import search_for_tune
 
+        kernel_record: dict[str, Any] = {}
         kernels, kernel_s = search_for_tune(
-            args.kernel_budget, base, executor, device, search_budget, store, notes
+            args.kernel_budget, base, executor, device, search_budget, store, notes, kernel_record
         )
         settings = dataclasses.replace(
             settings, budget_seconds=max(settings.budget_seconds - kernel_s, 0.0)
@@ -324,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
     tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
     base.save(stock)
-    search = outcome.usage.to_dict(outcome.wall_seconds)
+    search = outcome.usage.to_dict(outcome.wall_seconds) | kernel_record
     if outcome.agent is not None:
         search["agent"] = outcome.agent.to_dict()
     write_run(

@@ -13,16 +13,14 @@ that beat the current kernel somewhere: the candidates a kernel search may take,
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from specpilot.kernels.offers import OfferRef, load_offer, source_hash
 from specpilot.kernels.slots import KernelSlot, Shape, resolve_slot
-from specpilot.memory.store import KernelRow, MemoryStore
+from specpilot.memory.store import MemoryStore
 from specpilot.tune.agent_client import AgentClient, AgentFailure
 from specpilot.tune.agent_parse import extract_json
 from specpilot.tune.agent_price import AgentPrice
@@ -60,9 +58,8 @@ class KernelOffer:
     timings: list[dict[str, Any]]
     row: int
 
-
-def source_hash(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    def ref(self) -> OfferRef:
+        return OfferRef(self.slot, self.device, self.source_hash, self.entry, self.row)
 
 
 def kernel_brief(
@@ -167,27 +164,12 @@ def offers(store: MemoryStore, slot: str, device_key: str) -> list[KernelOffer]:
     return out
 
 
-def load_offer(store: MemoryStore, offer: KernelOffer, folder: Path) -> Callable[..., Any]:
-    """The offer's entry function, imported from the source the memory holds as accepted (its
-    hash checked again); ``folder`` keeps the module file (Triton reads a kernel's source)."""
-    rows: list[KernelRow] = [
-        r
-        for r in store.kernels(slot=offer.slot, device=offer.device, accepted=True)
-        if r.id == offer.row
-    ]
-    if not rows or source_hash(rows[0].source) != offer.source_hash:
-        raise ValueError(
-            f"kernel {offer.source_hash} of {offer.slot} is not accepted in the memory"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"kernel_{offer.slot.replace('-', '_')}_{offer.source_hash}.py"
-    path.write_text(rows[0].source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn: Callable[..., Any] = getattr(module, offer.entry)
-    return fn
-
-
-__all__ = ["KernelAgent", "KernelOffer", "KernelOutcome", "kernel_brief", "load_offer", "offers"]
+__all__ = [
+    "KernelAgent",
+    "KernelOffer",
+    "KernelOutcome",
+    "kernel_brief",
+    "load_offer",
+    "offers",
+    "source_hash",
+]
