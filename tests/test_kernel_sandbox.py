@@ -254,9 +254,31 @@ def test_the_w12_gemm_slot_accepts_exact_weights_and_rejects_a_lossy_decode():
     assert not v.accepted and v.stage == "check" and "decode not bit-exact" in (v.reason or "")
 
 
-def test_the_engines_w12_kernel_retiled_passes_the_slot():
-    """The engine's own tensor-core W12 kernel, retiled (split-K), passes every probe: an escape
-    far below its placeholder (9.98e-31) reads back exactly, because the placeholders leave the
-    accumulator before the escaped weights enter it."""
-    v = w12_sandbox(W12_RETILED)
-    assert v.accepted, v.reason
+W12_V3 = textwrap.dedent(
+    """
+    from specpilot.kernels.gemm_common import GemmConfig
+    from specpilot.kernels.w12_gemm import w12_matmul
+    from specpilot.mechanisms.w12_format import decode, encode
+
+    def kernel(x, w, counters):  # the v3 kernel on the same weights (the round trip is exact)
+        return w12_matmul(x, encode(decode(w), "v3"), counters, cfg=GemmConfig(CFG), prmt=False)
+    """
+)
+
+
+def test_the_engines_w12_kernels_retiled_pass_the_slot():
+    """The engine's W12 kernels, retiled, pass every probe: the tensor-core one (v4, split-K),
+    and the v3 tl.dot kernel on its tensor-core (M = 2, split-K) and FMA (M = 1) paths, fed the
+    slot's weights re-encoded. An escape far below its placeholder (9.98e-31) reads back
+    exactly, because the placeholders leave the accumulator before the escaped weights enter."""
+    dot = W12_V3.replace("CFG", "block_n=16, block_k=64, split_k=2")
+    fma = W12_V3.replace("CFG", "block_n=16, block_k=64, use_dot=False")
+    one_row = {"m": 1, "n": 32, "k": 64}
+    fma_kw = {"interpret": True, "rounds": 3, "reps": 1}
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(w12_sandbox, W12_RETILED), pool.submit(w12_sandbox, dot)]
+        runs.append(
+            pool.submit(run_sandbox, fma, "kernel", "w12-gemm", [one_row], "cpu", 120, **fma_kw)
+        )
+        for v in (r.result() for r in runs):
+            assert v.accepted, v.reason
