@@ -95,6 +95,8 @@ class W12Linear:
         self.prmt = prmt
         self.pdl = pdl  # the GEMV launched with programmatic dependent launch (kernels/pdl.py)
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
+        # an agent kernel gets its own (one that left them dirty would break w12_mma's split-K)
+        self.offer_counters = counter_buffer(weight.shape[0], weight.device) if offers else None
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         from specpilot.kernels.w12_linear import w12_linear
@@ -107,7 +109,7 @@ class W12Linear:
             x2 = x2.contiguous()
         offer = self.offers.get(bucket(x2.shape[0])) if self.offers and bias is None else None
         if offer is not None and self.kernel == "mma":
-            y = offer(x2, self.w12, self.counters)  # [M, N] bf16
+            y = offer(x2.contiguous(), self.w12, self.offer_counters)  # [M, N] bf16: as checked
         elif self.kernel == "mma":
             from specpilot.kernels.w12_mma import w12_mma
 

@@ -231,10 +231,12 @@ def _search_cell(
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     default = DEFAULT_TILINGS.config(m, n, k)
     offers = offers or {}
+    own = [torch.zeros_like(c) for c in counters] if offers else []  # the agent kernels' counters
 
     def calls(cfg: MmaConfig | str) -> list[Callable[[], Any]]:
         fn = offers[cfg] if isinstance(cfg, str) else partial(w12_mma, cfg=cfg)
-        return [partial(fn, x, t, c) for t, c in zip(w12s, counters, strict=True)]
+        cs = own if isinstance(cfg, str) else counters
+        return [partial(fn, x, t, c) for t, c in zip(w12s, cs, strict=True)]
 
     timed: dict[MmaConfig | str, float] = {}
     tried = skipped = 0
@@ -248,7 +250,7 @@ def _search_cell(
         t0 = time.perf_counter()
         tried += 1
         try:
-            why = check(offers[cfg] if isinstance(cfg, str) else cfg, weights[0], w12s[0], counters[0], m)  # fmt: skip
+            why = check(offers[cfg], weights[0], w12s[0], own[0], m) if isinstance(cfg, str) else check(cfg, weights[0], w12s[0], counters[0], m)  # fmt: skip
             if why is None:
                 timed[cfg] = graph_time(calls(cfg), device)
         except Exception as e:  # an agent kernel that raises here is left out, never fatal
