@@ -115,24 +115,42 @@ def _flow(tmp: Path) -> None:
     from specpilot.tune import kernel_search as ks
     from specpilot.tune.agent_client import AgentClient
     from specpilot.tune.agent_price import AgentPrice
-    from specpilot.tune.kernel_agent import KernelAgent, load_offer, offers, source_hash
+    from specpilot.tune.kernel_agent import (
+        KernelAgent,
+        ask_for_kernels,
+        load_offer,
+        offers,
+        source_hash,
+    )
 
     marker = tmp / "sneaky-imports.txt"
     sneaky = f"MARKER = {str(marker)!r}\n" + SNEAKY
     cpu = torch.device("cpu")
     key = gpu_fingerprint(cpu)["key"]
 
-    def answer(source: str) -> Reply:
-        return Reply(json.dumps({"entry": "kernel", "source": source, "shapes": [SLOT_SHAPE],
+    def answer(source: str, shapes: list | None = None) -> Reply:
+        return Reply(json.dumps({"entry": "kernel", "source": source, "shapes": shapes,
                                  "hypothesis": "h"}))  # fmt: skip
 
-    with scripted([answer(GOOD), answer(LOSSY), answer(sneaky)]) as srv, MemoryStore(tmp / "m.sqlite") as store:  # fmt: skip
+    cfg = tiny_config()  # o: [64, 64], gate_up: [288, 64]
+    stock = Transformer(cfg, dtype=torch.bfloat16, max_positions=256)
+    stock.init_random(0, std=0.1)
+    mats = {s: ws for s, ws in ks.target_matrices(stock, copies=2).items() if s in ((64, 64), (288, 64))}  # fmt: skip
+    script = [answer(GOOD), answer(LOSSY, [SLOT_SHAPE]), answer(sneaky, [SLOT_SHAPE])]
+    with scripted(script) as srv, MemoryStore(tmp / "m.sqlite") as store:
+        client = AgentClient(srv.url, "scripted", 30.0, 4096)
+        price = AgentPrice("scripted", srv.url, 1)
+        # tune --kernel-agent 1: at the target's shapes (no claim: every one asked), real weights
+        first = ask_for_kernels(client, store, price, cpu, mats, (1, 3), 1, 120.0, lambda m: None)
+        assert first[0].verdict.accepted, first[0].verdict
+        assert [c["shape"] for c in first[0].verdict.checks] == [{"m": m, "n": n, "k": 64} for n in (64, 288) for m in (1, 3)]  # fmt: skip
+        assert all(c["cases"] == c["passed"] > 2 for c in first[0].verdict.checks)
         agent = KernelAgent(
-            AgentClient(srv.url, "scripted", 30.0, 4096), store, "cpu", key,
-            AgentPrice("scripted", srv.url, 1), time_limit_s=120, interpret=True,
+            client, store, "cpu", key, price, time_limit_s=120, interpret=True,
             log=lambda m: None, rounds=3, reps=1,
         )  # fmt: skip
-        got = [agent.propose("w12-gemm", [SLOT_SHAPE]).verdict for _ in range(3)]
+        got = [first[0].verdict, *(agent.propose("w12-gemm", [SLOT_SHAPE]).verdict for _ in range(2))]  # fmt: skip
+        assert price.kernels == 3 and price.blocked_seconds > 0  # priced as the team's calls
         # (b) the lossy kernel: rejected by the sandbox, never an offer, never loadable
         assert [v.accepted for v in got] == [True, False, True], got
         assert "decode not bit-exact" in (got[1].reason or "")
@@ -151,10 +169,6 @@ def _flow(tmp: Path) -> None:
         ks.CANDIDATES = ()
         ks.split_variants = lambda *a, **k: []
         ks.graph_time = timer
-        cfg = tiny_config()  # o: [64, 64], gate_up: [288, 64]
-        stock = Transformer(cfg, dtype=torch.bfloat16, max_positions=256)
-        stock.init_random(0, std=0.1)
-        mats = {s: ws for s, ws in ks.target_matrices(stock, copies=2).items() if s in ((64, 64), (288, 64))}  # fmt: skip
         result = ks.search_w12_mma(mats, (1, 3), cpu, 600.0, store, log=lambda m: None, rounds=1)
         assert str(os.getpid()) not in marker.read_text().split()  # (b) never ran in here
         assert len(marker.read_text().split()) >= 2  # the sandboxes did import it

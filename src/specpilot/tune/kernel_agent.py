@@ -14,8 +14,9 @@ that beat the current kernel somewhere: the candidates a kernel search may take,
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specpilot.kernels.offers import OfferRef, load_offer, source_hash
@@ -164,10 +165,50 @@ def offers(store: MemoryStore, slot: str, device_key: str) -> list[KernelOffer]:
     return out
 
 
+def ask_for_kernels(
+    client: AgentClient,
+    store: MemoryStore,
+    price: AgentPrice,
+    device: Any,  # torch.device
+    matrices: Mapping[tuple[int, int], Sequence[Any]],  # [N, K] -> the target's bf16 weights
+    widths: Sequence[int],
+    count: int,
+    time_limit_s: float,
+    log: Callable[[str], None] = print,
+) -> list[KernelOutcome]:
+    """``tune --kernel-agent N``: ``count`` proposals for the ``w12-gemm`` slot at the target's
+    weight shapes and widths, each judged in the sandbox (the first matrix as the real weight,
+    tiled or cropped to every shape) and stored under this GPU's fingerprint key, where the
+    kernel search finds the accepted ones."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from specpilot.memory.fingerprint import gpu_fingerprint
+
+    shapes = [{"m": int(m), "n": n, "k": k} for n, k in matrices for m in sorted(set(widths))]
+    first = next(iter(matrices.values()))[0]
+    with tempfile.TemporaryDirectory(prefix="specpilot-kernel-agent-") as tmp:
+        real = str(Path(tmp) / "weight.safetensors")
+        save_file({"w": first.detach().to("cpu").contiguous()}, real)
+        agent = KernelAgent(
+            client, store, str(device), gpu_fingerprint(device)["key"], price, time_limit_s,
+            interpret=os.environ.get("TRITON_INTERPRET") == "1", real=(real, "w"), log=log,
+        )  # fmt: skip
+        out = []
+        for _ in range(count):  # the search waits for each: all of the wait stands it still
+            waited = price.wait_seconds
+            out.append(agent.propose("w12-gemm", shapes))
+            price.blocked_seconds += price.wait_seconds - waited
+        return out
+
+
 __all__ = [
     "KernelAgent",
     "KernelOffer",
     "KernelOutcome",
+    "ask_for_kernels",
     "kernel_brief",
     "load_offer",
     "offers",

@@ -371,12 +371,16 @@ def search_for_tune(
     store: Any,
     notes: list[str],
     record: dict[str, Any] | None = None,
+    kernel_agent: Callable[[dict[tuple[int, int], list[Tensor]], Sequence[int], float], Any]
+    | None = None,
 ) -> tuple[dict[str, Any] | None, float]:
     """``specpilot tune``'s kernel search, when W12 is searchable here (CUDA, the local
     executor): the tilings for ``EngineConfig.kernels`` and the seconds it took (the caller takes
     them off the search budget); its lines go to the console and to the report's ``notes``, its
     cells (which kernel won, its speedup over the default, device-seconds) into ``record``
-    (``run.json``'s ``search``) as ``kernel_search``.
+    (``run.json``'s ``search``) as ``kernel_search``. ``kernel_agent(matrices, widths,
+    seconds)``: asks the kernel sub-agent for sources first (``tune --kernel-agent``); its
+    time comes off the kernel budget.
     ``kernel_budget`` None: a quarter of ``search_budget``, at most 120 s; 0 skips it."""
     from specpilot.tune.executors import LocalExecutor
     from specpilot.tune.space import directions_for
@@ -384,15 +388,20 @@ def search_for_tune(
     budget = min(120.0, 0.25 * search_budget) if kernel_budget is None else kernel_budget
     names = {d.name for d in directions_for(base, device.type, executor.arch, executor.num_layers)}
     if budget <= 0 or device.type != "cuda" or "mechanism:w12" not in names:
+        if kernel_agent is not None:
+            notes.append("kernel agent: not asked (its kernels join the kernel search: CUDA, w12)")
         return None, 0.0
     if not isinstance(executor, LocalExecutor):
         notes.append("kernel search: runs with the local executor only (the defaults stay)")
         return None, 0.0
     t0 = time.perf_counter()
     print(f"kernel search: W12 tensor-core tilings, {budget:.0f}s ...", flush=True)
-    model = executor.evaluator.stock.model
+    matrices, widths = target_matrices(executor.evaluator.stock.model), (1, base.k + 1)
+    if kernel_agent is not None:
+        kernel_agent(matrices, widths, 0.5 * budget)
+        budget = max(budget - (time.perf_counter() - t0), 0.0)
     result = search_w12_mma(
-        target_matrices(model), (1, base.k + 1), device, budget, store,
+        matrices, widths, device, budget, store,
         log=lambda m: print(m, flush=True),
     )  # fmt: skip
     for line in result.lines():
