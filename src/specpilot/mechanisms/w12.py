@@ -31,6 +31,12 @@ Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
    final bf16 rounding). That is exactly the reduction-order freedom the near-tie tolerance covers
    (bf16 outputs are never forced to be bitwise equal to another kernel's), and the token-forcing
    gate still counts every near-tie and fails on any mismatch.
+4. *Agent kernels* (``kernels/offers.py``): a cell of the kernel table where the kernel search
+   chose an accepted agent kernel runs it instead of ``w12_mma``. It passed the same contract
+   (one-hot decode probes bit for bit, escapes included; random x within the fp32 reduction
+   bound) in the sandbox at the slot's shapes, again at this weight's shape and widths on its
+   own weights, and once more in the search: checks on cases, not a proof of the source, so
+   token forcing gating every trial that runs it is the last word, as for every mechanism.
 """
 
 from __future__ import annotations

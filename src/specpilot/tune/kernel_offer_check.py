@@ -111,7 +111,7 @@ class OfferCandidates:
         """``offers``, or (None) those ``store`` holds as accepted for this GPU."""
         from specpilot.tune.kernel_agent import offers as stored
 
-        if offers is None:
+        if offers is None or store is None:  # an offer's source is the memory's
             offers = stored(store, SLOT, device_key) if store is not None else []
         return cls(offers, store, device, widths, notes)
 
