@@ -69,6 +69,8 @@ def test_an_offer_goes_from_the_agent_through_the_search_to_the_engine(tmp_path:
 
 
 def test_offers_in_the_engine_config_and_what_the_memory_refuses(tmp_path: Path) -> None:
+    import types
+
     from specpilot.engine.config import EngineConfig
     from specpilot.engine.deployment import DeploymentSpec
     from specpilot.kernels.offers import source_hash
@@ -96,6 +98,15 @@ def test_offers_in_the_engine_config_and_what_the_memory_refuses(tmp_path: Path)
     assert fns[(64, 64, 1)].__module__.startswith("kernel_w12_gemm_")
     gone = KernelOffers(str(tmp_path / "missing.sqlite"), cells).load()
     assert gone[0] == {} and "no memory" in gone[1][0]
+
+    # no kernel search here (the CPU): the kernel agent is not asked, and the report says so
+    from specpilot.tune.kernel_search import search_for_tune
+
+    notes: list[str] = []
+    asked: list[object] = []
+    executor = types.SimpleNamespace(arch="llama", num_layers=2)
+    got = search_for_tune(None, cfg, executor, torch.device("cpu"), 300.0, None, notes, {}, asked.append)  # fmt: skip
+    assert got == (None, 0.0) and not asked and "kernel agent: not asked" in notes[0]
 
 
 # ------------------------------------------------------------ in the interpreter (subprocess)
@@ -174,7 +185,7 @@ def _flow(tmp: Path) -> None:
         assert len(marker.read_text().split()) >= 2  # the sandboxes did import it
         assert any("failed its re-check at 64x64" in n and "decode not bit-exact" in n for n in result.notes), result.notes  # fmt: skip
         print("\n".join(result.lines()))  # the report's lines (the test's timer: not a measurement)
-        cells = result.to_dict()["cells"]
+        cells = json.loads(json.dumps(result.to_dict()))["cells"]  # as run.json holds them
         assert len(cells) == 4 and all(c["kernel"] == f"offer {source_hash(GOOD)}" for c in cells), cells  # fmt: skip
         assert all(c["speedup_vs_default"] == 2.0 and c["device_s"] > 0 for c in cells)
         assert all(f"agent offer {source_hash(GOOD)}" in r.line() for r in result.rows)
