@@ -228,11 +228,10 @@ W12_LOSSY = textwrap.dedent(
 )
 W12_RETILED = textwrap.dedent(
     """
-    from specpilot.kernels.gemm_common import GemmConfig
-    from specpilot.kernels.w12_gemm import w12_matmul
+    from specpilot.kernels.w12_mma import MmaConfig, w12_mma
 
     def kernel(x, w, counters):  # the engine's kernel, another tiling: split-K over two programs
-        return w12_matmul(x, w, counters, cfg=GemmConfig(block_n=16, block_k=64, split_k=2), prmt=False)
+        return w12_mma(x, w, counters, cfg=MmaConfig(block_r=64, block_k=64, split_k=2), ptx=False)
     """
 )
 W12_SHAPE = {"m": 2, "n": 32, "k": 64}
@@ -255,24 +254,31 @@ def test_the_w12_gemm_slot_accepts_exact_weights_and_rejects_a_lossy_decode():
     assert not v.accepted and v.stage == "check" and "decode not bit-exact" in (v.reason or "")
 
 
-W12_FMA = W12_RETILED.replace(
-    "cfg=GemmConfig(block_n=16, block_k=64, split_k=2)",
-    "cfg=GemmConfig(block_n=16, block_k=64, use_dot=False)",
-)  # the one-row FMA path (BLOCK_M = 1) of the same kernel
+W12_V3 = textwrap.dedent(
+    """
+    from specpilot.kernels.gemm_common import GemmConfig
+    from specpilot.kernels.w12_gemm import w12_matmul
+    from specpilot.mechanisms.w12_format import decode, encode
+
+    def kernel(x, w, counters):  # the v3 kernel on the same weights (the round trip is exact)
+        return w12_matmul(x, encode(decode(w), "v3"), counters, cfg=GemmConfig(CFG), prmt=False)
+    """
+)
 
 
-@pytest.mark.slow
-def test_the_engines_w12_gemm_retiled_passes_the_slot():
-    """The engine's own W12 GEMM, retiled, passes every probe on both of its escape paths (the
-    tensor-core one at M = 2, the FMA one at M = 1): an escape far below its placeholder
-    (9.98e-31) reads back exactly, because the placeholders leave the accumulator first."""
-    pytest.importorskip("triton")
+def test_the_engines_w12_kernels_retiled_pass_the_slot():
+    """The engine's W12 kernels, retiled, pass every probe: the tensor-core one (v4, split-K),
+    and the v3 tl.dot kernel on its tensor-core (M = 2, split-K) and FMA (M = 1) paths, fed the
+    slot's weights re-encoded. An escape far below its placeholder (9.98e-31) reads back
+    exactly, because the placeholders leave the accumulator before the escaped weights enter."""
+    dot = W12_V3.replace("CFG", "block_n=16, block_k=64, split_k=2")
+    fma = W12_V3.replace("CFG", "block_n=16, block_k=64, use_dot=False")
     one_row = {"m": 1, "n": 32, "k": 64}
+    fma_kw = {"interpret": True, "rounds": 3, "reps": 1}
     with ThreadPoolExecutor(2) as pool:
-        dot = pool.submit(w12_sandbox, W12_RETILED)
-        fma = pool.submit(
-            run_sandbox, W12_FMA, "kernel", "w12-gemm", [one_row], "cpu", 120,
-            interpret=True, rounds=3, reps=1,
-        )  # fmt: skip
-        for v in (dot.result(), fma.result()):
+        runs = [pool.submit(w12_sandbox, W12_RETILED), pool.submit(w12_sandbox, dot)]
+        runs.append(
+            pool.submit(run_sandbox, fma, "kernel", "w12-gemm", [one_row], "cpu", 120, **fma_kw)
+        )
+        for v in (r.result() for r in runs):
             assert v.accepted, v.reason

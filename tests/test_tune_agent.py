@@ -343,6 +343,7 @@ def test_tune_checks_the_agent_options_before_loading(tiny, tmp_path, capsys):  
     argv = tune_argv(model, prompts, tmp_path / "o", tmp_path / "m.sqlite")
     for extra, want in (
         (["--agents", "2"], "--agents need --agent URL"),
+        (["--kernel-agent", "1"], "--kernel-agent need --agent URL"),
         (["--agent", "localhost:8000"], "must be an http(s) URL"),
         (["--agent", "http://x/v1", "--agent-timeout", "0"], "--agent-timeout must be more than 0"),
         (["--agent", f"http://127.0.0.1:{free_port()}/v1"], "Cannot reach the agent endpoint"),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.common import add_engine_args, config_from_args
-from specpilot.commands.tune_agent import add_agent_args, connect_agent, make_team
+from specpilot.commands.tune_agent import add_agent_args, connect_agent, kernel_asker, make_team
 from specpilot.commands.tune_agent import check as check
 from specpilot.commands.tune_compare import compare_reserve_s, write_run
 from specpilot.engine.config import EngineConfig
@@ -287,17 +287,19 @@ def run(args: argparse.Namespace) -> int:
     with MemoryStore(args.memory or default_memory()) as store:
         from specpilot.tune.kernel_search import search_for_tune
 
-        kernels, kernel_s = search_for_tune(
-            args.kernel_budget, base, executor, device, search_budget, store, notes
-        )
-        settings = dataclasses.replace(
-            settings, budget_seconds=max(settings.budget_seconds - kernel_s, 0.0)
-        )
         team = None
         if agent is not None:
             what = f"{label}; {arch}, {num_layers} layers; {what} {executor.ar_tok_s:.1f} tok/s"
             log = lambda m: print(m, flush=True)  # noqa: E731
             team = make_team(agent, args, what, directions, gaps, notes, store, fp, log)
+        kernel_record: dict[str, Any] = {}
+        kernels, kernel_s = search_for_tune(
+            args.kernel_budget, base, executor, device, search_budget, store, notes,
+            kernel_record, kernel_asker(agent, args, store, team, device),
+        )  # fmt: skip
+        settings = dataclasses.replace(
+            settings, budget_seconds=max(settings.budget_seconds - kernel_s, 0.0)
+        )
         loop = TuneLoop(
             base,
             directions,
@@ -324,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
     tuned, stock = args.out / "tuned.json", args.out / "stock.json"
     outcome.best.config.save(tuned)
     base.save(stock)
-    search = outcome.usage.to_dict(outcome.wall_seconds)
+    search = outcome.usage.to_dict(outcome.wall_seconds) | kernel_record
     if outcome.agent is not None:
         search["agent"] = outcome.agent.to_dict()
     write_run(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specpilot.commands.checks import at_least
 from specpilot.errors import SpecPilotError
@@ -52,19 +52,35 @@ def add_agent_args(p: argparse.ArgumentParser) -> None:
         default=1024,
         help="most tokens an agent may answer with (default: %(default)s)",
     )
+    a.add_argument(
+        "--kernel-agent",
+        type=int,
+        default=0,
+        metavar="N",
+        help="before the kernel search (CUDA, w12), ask the agent for N Triton kernels of the "
+        "w12-gemm slot at the target's shapes; each is judged in the sandbox, and the accepted "
+        "ones join the search's candidates (docs/TUNE.md 'The kernel sub-agent'; default: 0)",
+    )
 
 
 def check(args: argparse.Namespace) -> list[str]:
     """The agent options, without contacting the endpoint."""
     at_least(args, "agents", 1)
     at_least(args, "agent_max_tokens", 1)
+    at_least(args, "kernel_agent", 0)
     if args.agent_timeout <= 0:
         raise SpecPilotError(
             f"--agent-timeout must be more than 0 seconds, got {args.agent_timeout}."
         )
     if args.agent is None:
         given = [
-            f for f, v in (("--agent-model", args.agent_model), ("--agents", args.agents != 1)) if v
+            f
+            for f, v in (
+                ("--agent-model", args.agent_model),
+                ("--agents", args.agents != 1),
+                ("--kernel-agent", args.kernel_agent),
+            )
+            if v
         ]
         if given:
             raise SpecPilotError(f"{' and '.join(given)} need --agent URL (the agents' endpoint).")
@@ -125,3 +141,28 @@ def make_team(
 
 
 __all__ = ["add_agent_args", "check", "connect_agent", "make_team"]
+
+
+def kernel_asker(
+    client: AgentClient | None,
+    args: argparse.Namespace,
+    store: MemoryStore,
+    team: AgentTeam | None,
+    device: Any,
+) -> Callable[..., Any] | None:
+    """``--kernel-agent N``: what the kernel search calls first, ``(matrices, widths, seconds)``
+    -> N sandboxed proposals for the ``w12-gemm`` slot, priced with the team's calls."""
+    if client is None or team is None or not args.kernel_agent:
+        return None
+    from specpilot.tune.kernel_agent import ask_for_kernels
+
+    def ask(matrices: Any, widths: Sequence[int], seconds: float) -> None:
+        print(
+            f"kernel agent: {args.kernel_agent} W12 kernel(s) asked of {client.model}", flush=True
+        )
+        ask_for_kernels(
+            client, store, team.price, device, matrices, widths, args.kernel_agent, seconds,
+            log=lambda m: print(m, flush=True),
+        )  # fmt: skip
+
+    return ask

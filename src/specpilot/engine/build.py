@@ -143,7 +143,7 @@ def build_engine(
         drafter = simulate(drafter, dep.simulate_acceptance)
     build = EngineBuild(
         config=config, target=target, draft_model=draft, drafter=drafter, graphs=graphs,
-        kernel_tilings=config.mma_tilings(),
+        kernel_tilings=config.mma_tilings(), kernel_offers=config.kernel_offers(),
     )  # fmt: skip
     cfg = target.model.cfg
     drafter_name = dep.drafter if drafter is not None else "none"

@@ -17,6 +17,7 @@ from specpilot.errors import SpecPilotError
 
 if TYPE_CHECKING:
     from specpilot.engine.gate import GateSettings
+    from specpilot.kernels.offers import KernelOffers
     from specpilot.kernels.w12_tilings import MmaTilings
 
 DEFAULT_SEGMENT_TOKENS = 256
@@ -43,8 +44,9 @@ class EngineConfig:
 
     kernels: dict[str, Any] | None = None
     """Kernel tilings the tune's kernel search measured on this GPU, by kernel:
-    ``{"w12_mma": MmaTilings.to_json()}`` (``tune/kernel_search.py``). None = the kernels'
-    cold-start tables."""
+    ``{"w12_mma": MmaTilings.to_json()}`` (``tune/kernel_search.py``), and ``"w12_offers"``:
+    the cells where an accepted agent kernel won (``kernels/offers.KernelOffers``). None = the
+    kernels' cold-start tables."""
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -79,6 +81,18 @@ class EngineConfig:
             return MmaTilings.from_json(data)
         except (KeyError, TypeError, ValueError) as e:
             raise SpecPilotError(f"Engine config: bad kernels.w12_mma tilings ({e}).") from None
+
+    def kernel_offers(self) -> KernelOffers | None:
+        """The agent kernels the kernel search chose for some W12 cells, if any."""
+        from specpilot.kernels.offers import KernelOffers
+
+        data = (self.kernels or {}).get("w12_offers")
+        if data is None:
+            return None
+        try:
+            return KernelOffers.from_json(data)
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecPilotError(f"Engine config: bad kernels.w12_offers ({e}).") from None
 
     def gate_settings(self) -> GateSettings:
         from specpilot.engine.gate import GateSettings

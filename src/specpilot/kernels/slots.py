@@ -12,8 +12,11 @@ tensor arguments, one output tensor.
 
 Registered slots:
 
-* ``w12-gemm``: ``y = x @ decode(w)^T`` for a W12 weight at a verify width ``M``, the product
-  ``kernels/w12_linear.w12_linear`` serves. Checks: (a) the decode, bit for bit: one-hot rows of
+* ``w12-gemm``: ``y = x @ decode(w)^T`` for a W12 weight in layout v4 at a verify width ``M``:
+  the product the engine's W12 linear runs at the verify widths (``mechanisms/w12.py`` with
+  ``kernel="mma"``), whose current kernel is ``kernels/w12_mma.w12_mma`` at its cold-start
+  tiling; same entry signature, so an accepted kernel is a drop-in replacement for a cell of the
+  kernel search's table (``tune/kernel_search.py``). Checks: (a) the decode, bit for bit: one-hot rows of
   ``x`` read weight columns back exactly (one exact product per output, zeros elsewhere), over
   every column on small shapes and a seeded sample covering every escape's column on large ones;
   (b) the product on random ``x`` within the documented fp32 reduction bound (``w12_gemm``: half
@@ -112,7 +115,7 @@ def _w12_cases(w: Tensor, m: int, g: torch.Generator, tag: str) -> list[Case]:
     from specpilot.mechanisms.w12_format import ESC_ROWS, decode, encode
 
     n, k = w.shape
-    t = encode(w)
+    t = encode(w, "v4")
     dec = decode(t)  # [N, K] bf16: the reference dequantisation (equals w, bit for bit)
     # at least gemm_common.counter_buffer(N) (whose import needs triton, which the checker may lack)
     counters = torch.zeros(-(-n // ESC_ROWS) * 8, dtype=torch.int32)
@@ -166,10 +169,13 @@ def _w12_cases(w: Tensor, m: int, g: torch.Generator, tag: str) -> list[Case]:
 
 
 def w12_gemm_current(x: Tensor, w: Any, counters: Tensor) -> Tensor:  # [M, K] -> [M, N] bf16
-    """What the engine runs now for this width (``w12_linear``'s table)."""
-    from specpilot.kernels.w12_linear import w12_linear
+    """What the engine runs at this width before any search: the tensor-core kernel at its
+    cold-start tiling (``kernels/w12_tilings.DEFAULT``)."""
+    from specpilot.kernels.w12_mma import w12_mma
+    from specpilot.kernels.w12_tilings import DEFAULT_TILINGS
 
-    return w12_linear(x, w, counters, ptx=x.is_cuda)
+    cfg = DEFAULT_TILINGS.config(x.shape[0], *w.shape)
+    return w12_mma(x, w, counters, cfg=cfg, ptx=x.is_cuda)
 
 
 LLAMA3_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
@@ -178,13 +184,16 @@ LLAMA3_8B_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 W12_GEMM = KernelSlot(
     name="w12-gemm",
     summary=(
-        "y = x @ decode(w)^T for a W12 v3 weight (mechanisms/w12_format.py: per weight a "
-        "sign+mantissa byte in w.sm, a 4-bit exponent code in w.codes, escapes as CSR records "
-        "per 16-row block) at a verify width M <= 64; bf16 in, fp32 accumulate, bf16 out. The "
+        "y = x @ decode(w)^T for a W12 weight in layout v4 (mechanisms/w12_format.py: per "
+        "64-column group, 32-bit sign+mantissa words in w.sm and 16-bit exponent-code words in "
+        "w.codes, each word holding weights (c, c+16, c+32, c+48); exponent = code + w.base; "
+        "escapes (code 0) as CSR records per 16-row block in w.esc_offsets / esc_records / "
+        "esc_values) at a verify width M <= 64; bf16 in, fp32 accumulate, bf16 out (the engine's "
+        "kernel: specpilot.kernels.w12_mma.w12_mma). The "
         "decode must be bit-exact; the product may differ from an exact one only by the fp32 "
         "reduction bound. counters is a zeroed int32 split-K buffer the kernel leaves zeroed."
     ),
-    signature="kernel(x: Tensor[M, K] bf16, w: W12Tensor[N, K], counters: Tensor int32) -> Tensor[M, N] bf16",
+    signature="kernel(x: Tensor[M, K] bf16, w: W12Tensor[N, K] layout v4, counters: Tensor int32) -> Tensor[M, N] bf16",
     shapes=tuple({"m": m, "n": n, "k": k} for m in (2, 4, 8, 16) for n, k in LLAMA3_8B_SHAPES),
     cases=w12_gemm_cases,
     current="specpilot.kernels.slots:w12_gemm_current",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from specpilot.drafters.tree import TreeShape
     from specpilot.engine.tree_policy import TreePolicy
     from specpilot.engine.widths import WidthPolicy
+    from specpilot.kernels.offers import KernelOffers
     from specpilot.kernels.w12_tilings import MmaTilings
     from specpilot.runtime import LoadedModel
 
@@ -45,3 +46,5 @@ class EngineParts:
     kernel_tilings: MmaTilings | None = None
     """Tilings the kernel search measured on this GPU (``tune/kernel_search.py``); None: the
     kernels' cold-start tables."""
+    kernel_offers: KernelOffers | None = None
+    """Accepted agent kernels the kernel search chose for some W12 cells (``kernels/offers.py``)."""

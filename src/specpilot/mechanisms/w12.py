@@ -31,11 +31,17 @@ Why it is lossless (the project's near-tie contract, ``forcing/tolerance.py``):
    final bf16 rounding). That is exactly the reduction-order freedom the near-tie tolerance covers
    (bf16 outputs are never forced to be bitwise equal to another kernel's), and the token-forcing
    gate still counts every near-tie and fails on any mismatch.
+4. *Agent kernels* (``kernels/offers.py``): a cell of the kernel table where the kernel search
+   chose an accepted agent kernel runs it instead of ``w12_mma``. It passed the same contract
+   (one-hot decode probes bit for bit, escapes included; random x within the fp32 reduction
+   bound) in the sandbox at the slot's shapes, again at this weight's shape and widths on its
+   own weights, and once more in the search: checks on cases, not a proof of the source, so
+   token forcing gating every trial that runs it is the last word, as for every mechanism.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,7 +50,7 @@ from torch import Tensor
 
 from specpilot.errors import SpecPilotError
 from specpilot.kernels import triton_usable
-from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaTilings
+from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaTilings, bucket
 from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
 from specpilot.mechanisms.w12_format import W12Tensor, decode, encode
 
@@ -73,6 +79,7 @@ class W12Linear:
         pdl: bool = False,
         kernel: str = "table",
         tilings: MmaTilings | None = None,
+        offers: Mapping[int, Callable[..., Tensor]] | None = None,
     ) -> None:
         from specpilot.kernels.gemm_common import counter_buffer
 
@@ -83,6 +90,9 @@ class W12Linear:
             kernel  # "table": v3 GEMV / tl.dot (kernels/w12_linear); "mma": v4 tensor cores
         )
         self.tilings = tilings
+        self.offers = dict(offers or {})
+        """M bucket -> an accepted agent kernel the kernel search chose for this weight's shape
+        (``kernels/offers.py``; the slot's signature, ``kernels/slots.py``), calls without a bias"""
         layout = "v4" if kernel == "mma" else "v3"
         self.w12: W12Tensor = encode(weight.detach(), layout)
         if not torch.equal(decode(self.w12).view(torch.int16), weight.detach().view(torch.int16)):
@@ -91,6 +101,8 @@ class W12Linear:
         self.prmt = prmt
         self.pdl = pdl  # the GEMV launched with programmatic dependent launch (kernels/pdl.py)
         self.counters = counter_buffer(weight.shape[0], weight.device)  # [tiles] int32
+        # an agent kernel gets its own (one that left them dirty would break w12_mma's split-K)
+        self.offer_counters = counter_buffer(weight.shape[0], weight.device) if offers else None
 
     def __call__(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         from specpilot.kernels.w12_linear import w12_linear
@@ -101,7 +113,10 @@ class W12Linear:
             return F.linear(x, self.weight, bias)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        if self.kernel == "mma":
+        offer = self.offers.get(bucket(x2.shape[0])) if self.offers and bias is None else None
+        if offer is not None and self.kernel == "mma":
+            y = offer(x2.contiguous(), self.w12, self.offer_counters)  # [M, N] bf16: as checked
+        elif self.kernel == "mma":
             from specpilot.kernels.w12_mma import w12_mma
 
             cfg = (self.tilings or DEFAULT_TILINGS).config(x2.shape[0], n, k)
@@ -119,9 +134,11 @@ def install(
     pdl: bool = False,
     kernel: str = "table",
     tilings: MmaTilings | None = None,
+    offers: Mapping[tuple[int, int, int], Callable[..., Tensor]] | None = None,
 ) -> dict[str, float]:
     """Install W12 on ``model``'s decoder layers; returns bits/weight and escape counts
-    (``kernel="mma"``: layout v4 and the tensor-core kernel, tiled by ``tilings``)."""
+    (``kernel="mma"``: layout v4 and the tensor-core kernel, tiled by ``tilings``; ``offers``,
+    per ``(N, K, M bucket)``, the agent kernels the kernel search chose instead)."""
     from specpilot.models.layer import DecoderLayer
 
     if model.dtype != torch.bfloat16:
@@ -133,7 +150,9 @@ def install(
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer)
         for name in names:
-            lin = W12Linear(getattr(layer, name), max_m, decoder == "prmt", pdl, kernel, tilings)
+            w = getattr(layer, name)
+            mine = {m: f for (n, k, m), f in (offers or {}).items() if (n, k) == tuple(w.shape)}
+            lin = W12Linear(w, max_m, decoder == "prmt", pdl, kernel, tilings, mine)
             layer.linear_fns[name] = lin
             n, k = lin.w12.shape
             stored_bits += 8.0 * lin.w12.nbytes()
@@ -146,6 +165,10 @@ def install(
 
 
 def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
+    offers: dict[tuple[int, int, int], Callable[..., Tensor]] = {}
+    if build.kernel_offers is not None and knobs.get("kernel", "table") == "mma":
+        offers, notes = build.kernel_offers.load()  # only sources the memory holds as accepted
+        build.notes.extend(notes)
     stats = install(
         build.target.model,
         layers=knobs["layers"],
@@ -154,7 +177,10 @@ def _apply(build: EngineParts, knobs: Mapping[str, Any]) -> None:
         pdl=knobs["pdl"],
         kernel=knobs.get("kernel", "table"),
         tilings=build.kernel_tilings,
+        offers=offers,
     )
+    if offers:
+        build.notes.append(f"w12: agent kernels in {len(offers)} cell(s) of the kernel table")
     build.notes.append(
         f"w12: {stats['bits_per_weight']:.3f} bits/weight, {100 * stats['escape_frac']:.4f}% escapes"
     )

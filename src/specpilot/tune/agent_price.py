@@ -76,6 +76,7 @@ class AgentPrice:
             f"agent, {self.blocked_seconds:.1f} s of it with the search standing still; "
             f"{self.proposals} proposals, {self.rejected} rejected by validation, "
             f"{self.measured} measured"
+            + (f"; {self.kernels} kernel source(s) judged in the sandbox" if self.kernels else "")
         )
 
 

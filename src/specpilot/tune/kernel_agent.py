@@ -13,16 +13,15 @@ that beat the current kernel somewhere: the candidates a kernel search may take,
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specpilot.kernels.offers import OfferRef, load_offer, source_hash
 from specpilot.kernels.slots import KernelSlot, Shape, resolve_slot
-from specpilot.memory.store import KernelRow, MemoryStore
+from specpilot.memory.store import MemoryStore
 from specpilot.tune.agent_client import AgentClient, AgentFailure
 from specpilot.tune.agent_parse import extract_json
 from specpilot.tune.agent_price import AgentPrice
@@ -60,9 +59,8 @@ class KernelOffer:
     timings: list[dict[str, Any]]
     row: int
 
-
-def source_hash(source: str) -> str:
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    def ref(self) -> OfferRef:
+        return OfferRef(self.slot, self.device, self.source_hash, self.entry, self.row)
 
 
 def kernel_brief(
@@ -167,27 +165,52 @@ def offers(store: MemoryStore, slot: str, device_key: str) -> list[KernelOffer]:
     return out
 
 
-def load_offer(store: MemoryStore, offer: KernelOffer, folder: Path) -> Callable[..., Any]:
-    """The offer's entry function, imported from the source the memory holds as accepted (its
-    hash checked again); ``folder`` keeps the module file (Triton reads a kernel's source)."""
-    rows: list[KernelRow] = [
-        r
-        for r in store.kernels(slot=offer.slot, device=offer.device, accepted=True)
-        if r.id == offer.row
-    ]
-    if not rows or source_hash(rows[0].source) != offer.source_hash:
-        raise ValueError(
-            f"kernel {offer.source_hash} of {offer.slot} is not accepted in the memory"
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"kernel_{offer.slot.replace('-', '_')}_{offer.source_hash}.py"
-    path.write_text(rows[0].source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn: Callable[..., Any] = getattr(module, offer.entry)
-    return fn
+def ask_for_kernels(
+    client: AgentClient,
+    store: MemoryStore,
+    price: AgentPrice,
+    device: Any,  # torch.device
+    matrices: Mapping[tuple[int, int], Sequence[Any]],  # [N, K] -> the target's bf16 weights
+    widths: Sequence[int],
+    count: int,
+    time_limit_s: float,
+    log: Callable[[str], None] = print,
+) -> list[KernelOutcome]:
+    """``tune --kernel-agent N``: ``count`` proposals for the ``w12-gemm`` slot at the target's
+    weight shapes and widths, each judged in the sandbox (the first matrix as the real weight,
+    tiled or cropped to every shape) and stored under this GPU's fingerprint key, where the
+    kernel search finds the accepted ones."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from specpilot.memory.fingerprint import gpu_fingerprint
+
+    shapes = [{"m": int(m), "n": n, "k": k} for n, k in matrices for m in sorted(set(widths))]
+    first = next(iter(matrices.values()))[0]
+    with tempfile.TemporaryDirectory(prefix="specpilot-kernel-agent-") as tmp:
+        real = str(Path(tmp) / "weight.safetensors")
+        save_file({"w": first.detach().to("cpu").contiguous()}, real)
+        agent = KernelAgent(
+            client, store, str(device), gpu_fingerprint(device)["key"], price, time_limit_s,
+            interpret=os.environ.get("TRITON_INTERPRET") == "1", real=(real, "w"), log=log,
+        )  # fmt: skip
+        out = []
+        for _ in range(count):  # the search waits for each: all of the wait stands it still
+            waited = price.wait_seconds
+            out.append(agent.propose("w12-gemm", shapes))
+            price.blocked_seconds += price.wait_seconds - waited
+        return out
 
 
-__all__ = ["KernelAgent", "KernelOffer", "KernelOutcome", "kernel_brief", "load_offer", "offers"]
+__all__ = [
+    "KernelAgent",
+    "KernelOffer",
+    "KernelOutcome",
+    "ask_for_kernels",
+    "kernel_brief",
+    "load_offer",
+    "offers",
+    "source_hash",
+]

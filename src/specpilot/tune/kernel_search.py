@@ -19,6 +19,11 @@ For each decoder weight shape of the target (``[N, K]``) and each width the engi
    later tune on the same GPU reads them back and only re-times each winner against cuBLAS once
    (a few percent of the first search's kernel seconds).
 
+The memory's accepted agent kernels for the ``w12-gemm`` slot on this GPU are candidates too,
+re-checked in the sandbox at the target's shapes before they run here, then checked and timed
+like a tiling (``tune/kernel_offer_check.py``); a cell one wins names it by source hash, and the
+engine loads it from the memory there (``kernels/offers.py``), its tiling the fallback.
+
 The table it returns (``MmaTilings``) goes into the tuned engine config (``EngineConfig.kernels``),
 so ``generate``, ``bench``, ``compare`` and ``serve`` run the measured tilings. The hand-measured
 ``DEFAULT`` stays only as the cold start and the fallback for shapes not searched.
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -74,13 +79,22 @@ class SearchRow:
     skipped: int = 0
     device_s: float = 0.0
     reused: bool = False
+    offer: str | None = None
+    """The source hash of the agent kernel that won the cell (``config``: its fallback)."""
+
+    def winner(self) -> str:
+        c = self.config
+        tiling = f"r{c.block_r} k{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
+        return f"agent offer {self.offer} (else {tiling})" if self.offer else tiling
+
+    def to_dict(self) -> dict[str, Any]:
+        kernel = f"offer {self.offer}" if self.offer else "tiling"
+        return {**asdict(self), "kernel": kernel, "speedup_vs_default": self.default_us / self.us}
 
     def line(self) -> str:
-        c = self.config
         how = "reused from memory" if self.reused else f"{self.tried} tried, {self.skipped} skipped"
         return (
-            f"  {self.shape[0]}x{self.shape[1]} M<={self.width}: r{c.block_r} k{c.block_k} "
-            f"w{c.num_warps} s{c.num_stages} split{c.split_k}  {self.us:.1f} us, "
+            f"  {self.shape[0]}x{self.shape[1]} M<={self.width}: {self.winner()}  {self.us:.1f} us, "
             f"x{self.default_us / self.us:.2f} the default, x{self.cublas_us / self.us:.2f} "
             f"cuBLAS ({how}; {self.device_s:.1f} device-s)"
         )
@@ -91,6 +105,8 @@ class KernelSearch:
     """The search's table and its price."""
 
     tilings: MmaTilings
+    offers: Any = None
+    """The cells an agent kernel won (``kernels/offers.KernelOffers``; None: none did)."""
     rows: list[SearchRow] = field(default_factory=list)
     device_s: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -102,6 +118,11 @@ class KernelSearch:
             f"{len(self.rows)} shape x width cells, {self.device_s:.1f} device-s"
         )
         return [head, *(r.line() for r in self.rows), *(f"  {n}" for n in self.notes)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """run.json's ``search.kernel_search``: per cell the winner, its speed and price."""
+        cells = [r.to_dict() for r in self.rows]
+        return {"kernel": KERNEL, "gpu": self.gpu, "device_s": self.device_s, "cells": cells, "notes": self.notes}  # fmt: skip
 
 
 class CompileBudget:
@@ -158,21 +179,26 @@ def graph_time(calls: Sequence[Callable[[], Any]], device: torch.device, reps: i
     return start.elapsed_time(end) / 1e3 / (3 * reps * len(calls))
 
 
-def check(cfg: MmaConfig, w: Tensor, t: Any, counters: Tensor, m: int) -> str | None:
-    """None if ``cfg`` computes the reference on ``w`` (bf16 ``[N, K]``, W12 ``t``); else why not."""
+def check(
+    cfg: MmaConfig | Callable[..., Tensor], w: Tensor, t: Any, counters: Tensor, m: int
+) -> str | None:
+    """None if ``cfg`` (a tiling, or an agent kernel of the ``w12-gemm`` slot's signature)
+    computes the reference on ``w`` (bf16 ``[N, K]``, W12 ``t``); else why not."""
     from specpilot.kernels.w12_mma import w12_mma
+
+    kernel = cfg if callable(cfg) else partial(w12_mma, cfg=cfg)
 
     k = w.shape[1]
     cols = torch.arange(min(16, k), device=w.device)
     eye = torch.zeros(len(cols), k, dtype=torch.bfloat16, device=w.device)
     eye[torch.arange(len(cols), device=w.device), cols] = 1.0
-    y = w12_mma(eye, t, counters, cfg=cfg)
+    y = kernel(eye, t, counters)
     finite = bool(w[:, cols].float().isfinite().all())
     if finite and not torch.equal(y.view(torch.int16), w[:, cols].T.contiguous().view(torch.int16)):
         return "one-hot probe: the decoded weights differ from the checkpoint's"
     x = torch.randn(m, k, device=w.device, generator=torch.Generator(w.device).manual_seed(m))
     x = x.to(torch.bfloat16)
-    y = w12_mma(x, t, counters, cfg=cfg).double()
+    y = kernel(x, t, counters).double()
     z = x.double() @ w.double().T
     bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 2.0**-133
     ok = z.isfinite()
@@ -203,39 +229,55 @@ def split_variants(
 def _search_cell(
     weights: list[Tensor], w12s: list[Any], counters: list[Tensor], m: int,
     budget: CompileBudget, device: torch.device, rounds: int,
+    offers: Mapping[str, Callable[..., Tensor]] | None = None, notes: list[str] | None = None,
 ) -> SearchRow:  # fmt: skip
-    """One (shape, width): the sweep, the splits of the best two, then interleaved rounds."""
+    """One (shape, width): the sweep, the splits of the best two, the agent kernels ``offers``
+    (source hash -> entry, re-checked already in the sandbox), then interleaved rounds."""
     from specpilot.kernels.w12_mma import w12_mma
 
     n, k = weights[0].shape
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     default = DEFAULT_TILINGS.config(m, n, k)
+    offers = offers or {}
+    own = [torch.zeros_like(c) for c in counters] if offers else []  # the agent kernels' counters
 
-    def calls(cfg: MmaConfig) -> list[Callable[[], Any]]:
-        return [partial(w12_mma, x, t, c, cfg=cfg) for t, c in zip(w12s, counters, strict=True)]
+    def calls(cfg: MmaConfig | str) -> list[Callable[[], Any]]:
+        fn = offers[cfg] if isinstance(cfg, str) else partial(w12_mma, cfg=cfg)
+        cs = own if isinstance(cfg, str) else counters
+        return [partial(fn, x, t, c) for t, c in zip(w12s, cs, strict=True)]
 
-    timed: dict[MmaConfig, float] = {}
+    timed: dict[MmaConfig | str, float] = {}
     tried = skipped = 0
 
-    def attempt(cfg: MmaConfig) -> None:
+    def attempt(cfg: MmaConfig | str) -> None:
         nonlocal tried, skipped
-        key = compile_key(cfg, m, w12s[0].base)
+        key = ("offer", cfg, m) if isinstance(cfg, str) else compile_key(cfg, m, w12s[0].base)
         if cfg in timed or not budget.fits(key):
             skipped += cfg not in timed
             return
         t0 = time.perf_counter()
-        why = check(cfg, weights[0], w12s[0], counters[0], m)
         tried += 1
-        if why is None:
-            timed[cfg] = graph_time(calls(cfg), device)
+        try:
+            why = check(offers[cfg], weights[0], w12s[0], own[0], m) if isinstance(cfg, str) else check(cfg, weights[0], w12s[0], counters[0], m)  # fmt: skip
+            if why is None:
+                timed[cfg] = graph_time(calls(cfg), device)
+        except Exception as e:  # an agent kernel that raises here is left out, never fatal
+            if not isinstance(cfg, str):
+                raise
+            why = f"{type(e).__name__}: {e}"[:200]
+        if why is not None and isinstance(cfg, str) and notes is not None:
+            notes.append(f"offer {cfg} at {n}x{k} M={m}: {why}; not timed")
         budget.compiled_now(key, time.perf_counter() - t0)
 
     attempt(default)
     for cfg in CANDIDATES:
         attempt(cfg)
-    for cfg in sorted(timed, key=timed.__getitem__)[:2]:
+    tilings = [c for c in timed if isinstance(c, MmaConfig)]
+    for cfg in sorted(tilings, key=timed.__getitem__)[:2]:
         for c in split_variants(cfg, m, n, w12s[0].padded_k, device):
             attempt(c)
+    for h in offers:
+        attempt(h)
     if default not in timed:
         raise RuntimeError(f"the default tiling failed its check on {n}x{k} at M={m}")
     best = min(timed, key=timed.__getitem__)
@@ -248,7 +290,9 @@ def _search_cell(
     med = {a: statistics.median(v) for a, v in got.items()}
     if med["default"] <= med["best"]:
         best, med["best"] = default, med["default"]
-    return SearchRow((n, k), bucket(m), best, med["best"], med["default"], med["cublas"], tried, skipped)  # fmt: skip
+    tiling = best if isinstance(best, MmaConfig) else min((c for c in timed if isinstance(c, MmaConfig)), key=timed.__getitem__)  # fmt: skip
+    offer = best if isinstance(best, str) else None
+    return SearchRow((n, k), bucket(m), tiling, med["best"], med["default"], med["cublas"], tried, skipped, offer=offer)  # fmt: skip
 
 
 def search_w12_mma(
@@ -259,14 +303,17 @@ def search_w12_mma(
     store: Any | None = None,
     log: Callable[[str], None] = print,
     rounds: int = 3,
+    offers: Sequence[Any] | None = None,
 ) -> KernelSearch:
     """Search the tilings of every ``[N, K]`` in ``matrices`` (a few of the target's own bf16
     weights of that shape each, the first checked, all rotated through the timings) at every
     width bucket of ``widths``, within ``budget_s`` seconds; reuse what ``store`` holds for this
-    GPU (module docstring)."""
+    GPU (module docstring). ``offers``: agent kernels (``tune/kernel_agent.KernelOffer``) to
+    try beside the tilings; None: the ones ``store`` holds as accepted for this GPU."""
     from specpilot.kernels.gemm_common import counter_buffer
     from specpilot.mechanisms.w12_format import encode
     from specpilot.memory.fingerprint import gpu_fingerprint
+    from specpilot.tune.kernel_offer_check import OfferCandidates
 
     t_start = time.perf_counter()
     gpu = gpu_fingerprint(device)
@@ -275,12 +322,17 @@ def search_w12_mma(
     known = store.tilings(gpu["key"], KERNEL) if store is not None else {}
     result = KernelSearch(tilings=DEFAULT_TILINGS, gpu=gpu)
     by_shape: dict[tuple[int, int, int], MmaConfig] = {}
+    checks = sorted({*buckets, *(min(max(1, w), 64) for w in widths)})  # the offers' re-checks
+    agents = OfferCandidates.make(offers, store, gpu["key"], device, checks, result.notes)
     for (n, k), ws in matrices.items():
         w12s = [encode(w, "v4") for w in ws]
         counters = [counter_buffer(n, device) for _ in ws]
         for m in buckets:
             t0 = time.perf_counter()
             hit = known.get((n, k, m))
+            if hit is not None and hit["metrics"].get("offer"):  # an agent kernel: check again
+                result.notes.append(f"{n}x{k} M<={m}: the stored winner is agent offer {hit['metrics']['offer']['source_hash']}; searching again (it is re-checked first)")  # fmt: skip
+                hit = None
             if hit is not None:  # re-time the stored winner against cuBLAS once
                 cfg = MmaConfig(**hit["config"])
                 x = torch.randn(m, k, device=device).to(torch.bfloat16)
@@ -299,17 +351,21 @@ def search_w12_mma(
             if budget.left() < budget.estimate(compile_key(DEFAULT_TILINGS.config(m, n, k), m, w12s[0].base)):  # fmt: skip
                 result.notes.append(f"{n}x{k} M<={m}: not searched, {budget.left():.0f}s of the kernel budget left (the default stays)")  # fmt: skip
                 continue
-            row = _search_cell(ws, w12s, counters, m, budget, device, rounds)
+            fns = agents.for_shape(ws[0], budget.left)
+            row = _search_cell(ws, w12s, counters, m, budget, device, rounds, fns, result.notes)
             row.device_s = time.perf_counter() - t0
             result.rows.append(row)
             by_shape[(n, k, m)] = row.config
+            agents.chosen((n, k, m), row.offer)
             if store is not None:
                 store.put_tiling(gpu, KERNEL, (n, k), m, asdict(row.config),
                                  {"us": row.us, "default_us": row.default_us,
                                   "cublas_us": row.cublas_us, "device_s": row.device_s,
-                                  "tried": row.tried, "skipped": row.skipped})  # fmt: skip
+                                  "tried": row.tried, "skipped": row.skipped,
+                                  "offer": agents.ref_json(row.offer)})  # fmt: skip
             log(row.line())
     result.tilings = MmaTilings(by_shape=by_shape, source=f"search {gpu['key']}")
+    result.offers = agents.result()
     result.device_s = time.perf_counter() - t_start
     return result
 
@@ -322,10 +378,17 @@ def search_for_tune(
     search_budget: float,
     store: Any,
     notes: list[str],
+    record: dict[str, Any] | None = None,
+    kernel_agent: Callable[[dict[tuple[int, int], list[Tensor]], Sequence[int], float], Any]
+    | None = None,
 ) -> tuple[dict[str, Any] | None, float]:
     """``specpilot tune``'s kernel search, when W12 is searchable here (CUDA, the local
     executor): the tilings for ``EngineConfig.kernels`` and the seconds it took (the caller takes
-    them off the search budget); its lines go to the console and to the report's ``notes``.
+    them off the search budget); its lines go to the console and to the report's ``notes``, its
+    cells (which kernel won, its speedup over the default, device-seconds) into ``record``
+    (``run.json``'s ``search``) as ``kernel_search``. ``kernel_agent(matrices, widths,
+    seconds)``: asks the kernel sub-agent for sources first (``tune --kernel-agent``); its
+    time comes off the kernel budget.
     ``kernel_budget`` None: a quarter of ``search_budget``, at most 120 s; 0 skips it."""
     from specpilot.tune.executors import LocalExecutor
     from specpilot.tune.space import directions_for
@@ -333,21 +396,31 @@ def search_for_tune(
     budget = min(120.0, 0.25 * search_budget) if kernel_budget is None else kernel_budget
     names = {d.name for d in directions_for(base, device.type, executor.arch, executor.num_layers)}
     if budget <= 0 or device.type != "cuda" or "mechanism:w12" not in names:
+        if kernel_agent is not None:
+            notes.append("kernel agent: not asked (its kernels join the kernel search: CUDA, w12)")
         return None, 0.0
     if not isinstance(executor, LocalExecutor):
         notes.append("kernel search: runs with the local executor only (the defaults stay)")
         return None, 0.0
     t0 = time.perf_counter()
     print(f"kernel search: W12 tensor-core tilings, {budget:.0f}s ...", flush=True)
-    model = executor.evaluator.stock.model
+    matrices, widths = target_matrices(executor.evaluator.stock.model), (1, base.k + 1)
+    if kernel_agent is not None:
+        kernel_agent(matrices, widths, 0.5 * budget)
+        budget = max(budget - (time.perf_counter() - t0), 0.0)
     result = search_w12_mma(
-        target_matrices(model), (1, base.k + 1), device, budget, store,
+        matrices, widths, device, budget, store,
         log=lambda m: print(m, flush=True),
     )  # fmt: skip
     for line in result.lines():
         print(line)
     notes.extend(result.lines())
-    return {"w12_mma": result.tilings.to_json()}, time.perf_counter() - t0
+    if record is not None:
+        record["kernel_search"] = result.to_dict()
+    kernels = {"w12_mma": result.tilings.to_json()}
+    if result.offers is not None:
+        kernels["w12_offers"] = result.offers.to_json()
+    return kernels, time.perf_counter() - t0
 
 
 def target_matrices(model: Any, copies: int = 4) -> dict[tuple[int, int], list[Tensor]]:
