@@ -18,7 +18,11 @@
 # those passes first, on servers that served nothing yet (no untimed round before them), so
 # graph captures on first use land in the figures as they would for a fresh server's users.
 # e.g. the graph warm-up A/B: LEVELS=1,4,16,32 PASSES=2 LOAD_FIRST=1 ... "warm=src:" \
-# "cold=src:--no-warm-graphs". Ends with a table of each server's load passes (loads.txt).
+# "cold=src:--no-warm-graphs". SPLIT=1: each level its own `bench` run, and after each the
+# server's prefill counters (steps that fed prompts, their seconds, the rows they admitted and
+# the target forwards they took, where the server has them) are appended to admissions.txt as
+# that level's deltas: how a level's wave of arrivals was admitted. Ends with a table of each
+# server's load passes (loads.txt).
 set -u
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -47,15 +51,29 @@ load() {  # $1 port, $2 label, $3 requests
     --out "$out/$2.json" 2>&1 | grep "concurrency" | sed "s/^/$2 /"
 }
 for i in "${!names[@]}"; do grep -h "specpilot serve:" "$out/serve_${names[$i]}.log" | sed "s/^/${names[$i]}: /"; done
+admitted() {  # $1 port: the server's prefill counters (steps, seconds, rows, forwards)
+  curl -s "http://127.0.0.1:$1/metrics" | awk '/^specpilot_prefill_step_seconds_count/ {a=$2}
+    /^specpilot_prefill_step_seconds_sum/ {b=$2} /^specpilot_prefill_rows_sum/ {c=$2}
+    /^specpilot_prefill_forwards_total/ {d=$2} END {print a+0, b+0, c+0, d+0}'
+}
 levels() {  # each server PASSES times under concurrent load at LEVELS, the order rotating
   [ -n "${LEVELS:-}" ] || return 0
+  local each=$LEVELS
+  [ "${SPLIT:-0}" = 1 ] && each=${LEVELS//,/ }
   for p in $(seq "${PASSES:-1}"); do
     for i in "${!names[@]}"; do
       j=$(( (i + p - 1) % ${#names[@]} ))
-      PYTHONPATH=/tmp/site:src timeout 150 $SP bench --mode serve --url "http://127.0.0.1:${ports[$j]}" \
-        --prompts mt-bench --limit 8 --concurrency "$LEVELS" --max-new-tokens "$TOKENS" \
-        --out "$out/load_p${p}_${names[$j]}.json" 2>&1 | grep "concurrency " \
-        | sed "s/^/load_p${p}_${names[$j]} /" | tee -a "$out/loads.txt"
+      for lv in $each; do
+        local before; before=$(admitted "${ports[$j]}")
+        PYTHONPATH=/tmp/site:src timeout 150 $SP bench --mode serve --url "http://127.0.0.1:${ports[$j]}" \
+          --prompts mt-bench --limit 8 --concurrency "$lv" --max-new-tokens "$TOKENS" \
+          --out "$out/load_p${p}_${names[$j]}_${lv//,/-}.json" 2>&1 | grep "concurrency " \
+          | sed "s/^/load_p${p}_${names[$j]} /" | tee -a "$out/loads.txt"
+        [ "${SPLIT:-0}" = 1 ] || continue
+        echo "$before $(admitted "${ports[$j]}")" | awk -v n="${names[$j]}" -v p="$p" -v c="$lv" \
+          '{printf "admit %s p%s c%s: %d prefill steps, %.1f ms each, %d rows, %d forwards\n", n, p, c,
+            $5-$1, ($5>$1) ? 1e3*($6-$2)/($5-$1) : 0, $7-$3, $8-$4}' | tee -a "$out/admissions.txt"
+      done
     done
   done
 }

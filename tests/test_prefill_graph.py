@@ -1,8 +1,10 @@
-"""The graphed one-row prefill (``engine/prefill_graph.py``): padded to a width bucket, run over
-a scratch cache and copied into the row; on the CPU the same step runs eagerly.
+"""The graphed (packed) prefill (``engine/prefill_graph.py``): the segments of several rows from
+slot 0 packed end to end, padded to a width bucket, run over a scratch cache under a
+block-diagonal causal mask and put into their rows; on the CPU the same step runs eagerly.
 
 Every request must decode exactly as plain AR with eager prefills (fp32), whatever row it lands
-in, whether its prompt fits a bucket, spans several segments or arrives with others; the step
+in, whether its prompt fits a bucket, spans several segments or arrives with others (a wave of
+arrivals is one forward per token budget, never one per row); the step
 never reads the device on the host (the graph-safety guard of ``test_graphs.py``) and replays
 correctly from its first recording (emulated graphs); on CUDA, the captured graphs give eager's
 tokens in fp32 and pass token forcing in bf16.
@@ -10,6 +12,7 @@ tokens in fp32 and pass token forcing in bf16.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -32,13 +35,13 @@ LENGTHS = (1, 3, 4, 5, 9, 16, 17, 31, 33, 47)  # bucket edges, and longer than e
 
 @pytest.fixture
 def graphed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
-    """Records ``(row, tokens, width)`` of every graphed prefill."""
+    """Records ``(row, tokens, width)`` of every segment a graphed prefill fed."""
     real = PrefillGraph.run
     calls: list[tuple[int, int, int]] = []
 
     def run(self: PrefillGraph, *args: Any) -> object:
-        row, ids, w = args[-3:]
-        calls.append((row, len(ids), w))
+        rows, segments, w = args[-3:]
+        calls.extend((row, len(ids), w) for row, ids in zip(rows, segments, strict=True))
         return real(self, *args)
 
     monkeypatch.setattr(PrefillGraph, "run", run)
@@ -83,34 +86,90 @@ def test_graphed_prefill_equals_ar(
             assert max(n for _, n, _ in graphed) <= WIDTHS[-1] < max(LENGTHS)
 
 
-def test_graphed_prefill_writes_only_its_row() -> None:
-    """K/V of the real tokens equal the eager prefill's; other rows are untouched; the first
-    token and the hidden state the logprobs read agree."""
+def test_graphed_prefill_writes_only_its_rows() -> None:
+    """Two rows packed in one forward: the K/V of their real tokens equal the eager prefill's
+    (two forwards: the rows are not contiguous); other rows, and their rows' slots past the
+    prompt up to the last (where the padding goes, never read), are untouched; the first
+    tokens and the hidden states the logprobs read agree."""
     cfg = tiny_config(**CONFIGS[1])
     target = tiny_model(cfg, 2)
-    prompt = repetitive_prompt(random.Random(0), cfg.vocab_size, 11)
+    rng = random.Random(0)
+    prompts = [repetitive_prompt(rng, cfg.vocab_size, n) for n in (11, 5)]
+    rows = [1, 3]
     engines = {}
     for graph in (False, True):
         engine = Engine(target)
         engine.prefill_widths = WIDTHS if graph else ()
-        engine.open(3, 64)
+        engine.open(4, 64)
         assert engine.cache is not None
         with torch.inference_mode():
             for t in [*engine.cache.k, *engine.cache.v]:
                 t.normal_(generator=torch.Generator().manual_seed(1))
-        before = [t.clone() for t in engine.cache.k]
-        first = engine.prefill([1], [prompt], [0], [len(prompt)], [4])
+        before = [t.clone() for t in [*engine.cache.k, *engine.cache.v]]
+        first = engine.prefill(rows, prompts, [0, 0], [len(p) for p in prompts], [4, 4])
         engines[graph] = (engine, first, before)
     (eager, f0, _), (graphed, f1, before) = engines[False], engines[True]
     assert f0 == f1
+    assert (eager.prefill_forwards, graphed.prefill_forwards) == (2, 1)
     assert eager.cache is not None and graphed.cache is not None
-    n = len(prompt)
-    for i, (a, b) in enumerate(zip(eager.cache.k, graphed.cache.k, strict=True)):
-        torch.testing.assert_close(b[1, :, :n], a[1, :, :n], rtol=1e-5, atol=1e-6)
-        assert torch.equal(b[[0, 2]], before[i][[0, 2]]), f"layer {i}: another row written"
-        assert torch.equal(b[1, :, 16:], before[i][1, :, 16:]), "written past the bucket"
-    torch.testing.assert_close(graphed.final_hidden[1, 0], eager.final_hidden[1, 0])
-    assert graphed.state.tokens[1, : n + 1].tolist() == [*prompt, f1[0]]
+    last = graphed.capacity - 1
+    caches = [*eager.cache.k, *eager.cache.v], [*graphed.cache.k, *graphed.cache.v]
+    pairs = zip(*caches, before, strict=True)
+    for i, (a, b, old) in enumerate(pairs):
+        assert torch.equal(b[[0, 2]], old[[0, 2]]), f"cache {i}: another row written"
+        for row, p in zip(rows, prompts, strict=True):
+            n = len(p)
+            torch.testing.assert_close(b[row, :, :n], a[row, :, :n], rtol=1e-5, atol=1e-6)
+            assert torch.equal(b[row, :, n:last], old[row, :, n:last]), "written past the prompt"
+    for row, p, first in zip(rows, prompts, f1, strict=True):
+        torch.testing.assert_close(graphed.final_hidden[row, 0], eager.final_hidden[row, 0])
+        assert graphed.state.tokens[row, : len(p) + 1].tolist() == [*p, first]
+
+
+@pytest.mark.parametrize("drafter", [False, True], ids=["ar", "ngram"])
+def test_a_wave_of_arrivals_is_packed(drafter: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests submitted together are admitted in one step by as few forwards as the token
+    budget (the widest bucket, 32 here) allows, each pack filled in row order, a prompt longer
+    than the budget eagerly; every request still decodes exactly as plain AR (a mask that let
+    packed prompts see each other would change their tokens)."""
+    packs: list[list[int]] = []
+    real = PrefillGraph.run
+
+    def run(self: PrefillGraph, *args: Any) -> object:
+        packs.append([len(ids) for ids in args[-2]])
+        return real(self, *args)
+
+    monkeypatch.setattr(PrefillGraph, "run", run)
+    cfg = tiny_config(**CONFIGS[1])
+    target = tiny_model(cfg, 7)
+    rng = random.Random("wave")
+    reqs = [
+        Request(str(i), tuple(repetitive_prompt(rng, cfg.vocab_size, n)), rng.randint(1, 12))
+        for i, n in enumerate([3, 9, 1, 17, 6, 12, 31, 7, 40, 2])
+    ]
+    lengths = [len(r.prompt_ids) for r in reqs]
+    want = {r.id: ar_tokens(target, [list(r.prompt_ids)], r.max_new_tokens)[0] for r in reqs}
+    engine = Engine(target, NgramDrafter(k=3) if drafter else None)
+    engine.prefill_widths = WIDTHS
+    sched = Scheduler(engine, slots=len(reqs), max_context=80)
+    for r in reqs:
+        sched.submit(r)
+    report = sched.step()
+    budget = WIDTHS[-1]
+    assert report.rows_prefilling == len(reqs)
+    assert report.prefill_forwards == len(packs) + 1  # the 40-token prompt: one eager forward
+    assert len(packs) < len(reqs) - 1
+    assert sorted(n for p in packs for n in p) == sorted(n for n in lengths if n <= budget)
+    assert all(sum(p) <= budget for p in packs)
+    assert all(sum(a) + b[0] > budget for a, b in itertools.pairwise(packs))  # full
+    got: dict[str, list[int]] = {}
+    while True:
+        for rid, toks in report.committed:
+            got.setdefault(rid, []).extend(toks)
+        if not sched.has_work:
+            break
+        report = sched.step()
+    assert got == want
 
 
 def test_graphed_prefill_never_syncs(guarded: set[str]) -> None:  # noqa: F811
@@ -176,7 +235,7 @@ def test_cuda_graphed_prefill_equals_eager(graphed: list[tuple[int, int, int]]) 
         }
         engine = Engine(target, graphs=True)
         graphed.clear()
-        got = _serve(engine, reqs, 2, None)
+        got = _serve(engine, reqs, 4, None)  # arrivals packed in fours
         keys = [k for k in engine.runner._graphs if isinstance(k, tuple) and k[0] == "prefill"]
         assert graphed and keys, "no prefill ran from a graph"
         assert len(graphed) > len(keys)  # replays, not only captures

@@ -114,8 +114,11 @@ class Engine(VerifySteps, FirstRows, GraphedPrefill):
         self.last_verify: tuple[Callable[[], None], Callable[[], None]] | None = None
         """The last cycle's verify and accept steps (redone when the verify head abstains)."""
         self.prefill_widths: tuple[int, ...] | None = None
-        """Width buckets of the graphed one-row prefill (``engine/prefill_graph.py``); None:
+        """Width buckets of the graphed (packed) prefill (``engine/prefill_graph.py``); None:
         ``PREFILL_WIDTHS`` when the runner uses graphs, else none (every prefill eager)."""
+        self.prefill_forwards = 0
+        """Target forwards that fed prompt segments since the engine was made (``Engine.prefill``
+        runs one per pack or eager run, ``engine/admission.py``)."""
         self._prefill_graph: PrefillGraph | None = None
         self.ahead: set[int] = set()
         """Rows whose device state is one AR step past the host mirror (``ar_window``'s
@@ -273,7 +276,8 @@ class Engine(VerifySteps, FirstRows, GraphedPrefill):
         """Feed ``prompts[i][starts[i] : starts[i] + seg_lens[i]]`` to row ``rows[i]`` (its
         earlier segments are in). A row whose prompt ends with it starts decoding for up to
         ``max_news[i]`` tokens: its first token (the target's argmax after the prompt) is
-        returned; None for rows still in prefill. Contiguous rows run in one forward."""
+        returned; None for rows still in prefill. Segments from slot 0 are packed into graphed
+        forwards up to a token budget, the others run by contiguous rows (``admission.py``)."""
         from specpilot.engine.admission import Admission, prefill_rows
 
         t0 = time.perf_counter()

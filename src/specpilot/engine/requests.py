@@ -74,7 +74,9 @@ class StepReport:
     rows_decoding: int = 0
     """Rows that verified a draft (or took an AR step) in this step's forward."""
     rows_prefilling: int = 0
-    """Rows that fed a prompt segment in this step's forward."""
+    """Rows that fed a prompt segment in this step."""
+    prefill_forwards: int = 0
+    """Target forwards those segments took (packs and eager runs, ``engine/admission.py``)."""
     forward_tokens: int = 0
     """Width of the padded forward: rows x tokens per row (what the target computed)."""
     drafted: int = 0

@@ -5,8 +5,9 @@ Per step:
 1. **admit** — waiting requests take free rows;
 2. **prefill** — every row still in prefill feeds its next segment of at most ``segment_tokens``
    prompt tokens (segment admission: a long prompt enters over several steps, so the running
-   rows keep committing every step), rows that are contiguous in one forward; a row whose last
-   segment went in commits the target's argmax after its prompt as its first token;
+   rows keep committing every step), as few forwards as ``engine/admission.py`` can pack them
+   in (every new prompt of the step in one graphed forward up to a token budget); a row whose
+   last segment went in commits the target's argmax after its prompt as its first token;
 3. **decode** — one engine cycle over every decoding row (``Engine.step``);
 4. **leave** — each request is cut at its own stop token or length limit (both may fall inside a
    draft: ``cut_at_stop``); a finished request returns its result and frees its row.
@@ -200,8 +201,10 @@ class Scheduler:
             for p, s in zip(prompts, starts, strict=True)
         ]
         news = [r.request.max_new_tokens for r in held if r is not None]
+        before = self.engine.prefill_forwards
         firsts = self.engine.prefill(rows, prompts, starts, lens, news)
         report.rows_prefilling += len(rows)
+        report.prefill_forwards += self.engine.prefill_forwards - before
         started = False
         for b, r, n, first in zip(rows, held, lens, firsts, strict=True):
             assert r is not None

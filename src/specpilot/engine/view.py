@@ -108,6 +108,7 @@ class EngineView(DraftRows, Protocol):
     times: CycleTimes
     clock: PhaseClock
     abstains: int
+    prefill_forwards: int
     last_verify: tuple[Callable[[], None], Callable[[], None]] | None
 
     # ---- the verify head

@@ -12,7 +12,7 @@ the engine's own step code for every key a scheduler's steps can meet, under
   up to the rows' capacity, and the accept;
 * a chain plan's cycle: every block width it may verify × every bucket (the verify with the
   drafter's hidden states when it reads them), and the accept of each width;
-* every width bucket of the graphed one-row prefill, when prefills take that path.
+* every width bucket of the graphed (packed) prefill, when prefills take that path.
 
 Lossless: nothing is replayed. A capture's warm-up run (``Runner._capture``) writes on idle rows
 only what any step may write there: the small row state (restored), the K/V and tokens past
@@ -117,14 +117,13 @@ def _warm_plan(engine: Engine, buckets: list[int]) -> list[str]:
 
 
 def _warm_prefill(engine: Engine) -> None:
-    """Every width of the graphed one-row prefill (``engine/prefill_graph.py``), from row 0."""
+    """Every width of the graphed (packed) prefill (``engine/prefill_graph.py``), into row 0."""
     graph = engine.prefill_graph() if graphable_prefill(engine) else None
     if graph is None:
         return
     assert engine.cache is not None
     for w in graph.widths:
-        if w <= engine.capacity:
-            graph.run(engine.runner, engine.state, engine.fwd, engine.cache, 0, [0], w)
+        graph.run(engine.runner, engine.state, engine.fwd, engine.cache, [0], [[0]], w)
 
 
 __all__ = ["WarmReport", "attention_buckets", "warm_graphs"]

@@ -55,10 +55,20 @@ class ServerMetrics:
             "Engine thread time between steps while it has work (admission, streaming, audits)",
             registry=r,
         )
-        self.step_rows = Histogram(
-            "specpilot_step_rows",
-            "Requests decoding in a scheduler step",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+
+        def rows(name: str, doc: str) -> Histogram:  # requests per scheduler step
+            return Histogram(name, doc, buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+
+        self.step_rows = rows("specpilot_step_rows", "Requests decoding in a scheduler step")
+        self.prefill_rows = rows(
+            "specpilot_prefill_rows",
+            "Requests that fed a prompt segment in a scheduler step (a wave's arrivals admitted "
+            "together)",
+        )
+        self.prefill_forwards = Counter(
+            "specpilot_prefill_forwards",
+            "Target forwards that fed prompt segments (new prompts are packed, up to a token "
+            "budget, into one)",
             registry=r,
         )
 

@@ -255,6 +255,8 @@ class EngineWorker:
             self.metrics.step_seconds.inc(t1 - t0)
             if report.rows_prefilling:
                 self.metrics.prefill_step_seconds.observe(t1 - t0)
+                self.metrics.prefill_rows.observe(report.rows_prefilling)
+                self.metrics.prefill_forwards.inc(report.prefill_forwards)
             self.metrics.host_seconds.inc(t0 - busy_since)
             busy_since = t1
             self.steps += 1
