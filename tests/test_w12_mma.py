@@ -163,10 +163,11 @@ def _group_sm90() -> None:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ttgir = kernel.asm["ttgir"]
         dots = [ln for ln in ttgir.splitlines() if "warp_group_dot " in ln]
-        # the K loop's dots: A [BR, >= 128] (the escape dots' A is [BR, ESC_STEP = 32], and may
-        # go through shared memory: built by a select)
+        # the K loop's dots: every dot but the escape dots, whose A is [BR, ESC_STEP = 32] and
+        # may go through shared memory (built by a select). Triton 3.9 keeps a K step's dot
+        # whole (A [BR, 256]); 3.6 splits it into dots of A [BR, 16] in the TTGIR
         k_of = [re.search(r"<(\d+)x(\d+)xbf16", ln) for ln in dots]
-        main = [ln for ln, k in zip(dots, k_of, strict=True) if k and int(k.group(2)) >= 128]
+        main = [ln for ln, k in zip(dots, k_of, strict=True) if k and int(k.group(2)) != 32]
         assert main, dots
         for ln in main:  # A from registers, not shared memory
             assert "dot_op<{opIdx = 0" in ln.split("*")[0], (stream, ln)

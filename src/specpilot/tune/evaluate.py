@@ -20,10 +20,13 @@ commits) by more than the noise — is measured again; if it persists the trial 
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from specpilot.bench.protocol import Measurement, Ratio, Sample, interleave, timed
 from specpilot.costmodel.bound import FORMULA, engine_speedup_bound
@@ -180,6 +183,9 @@ class Evaluator:
         self.progress: Callable[[str], None] | None = None
         """Told of each candidate built and each round measured, as it happens."""
         self.stock: LoadedModel = load_model(dep.target, self.dtype, self.device, max_context)
+        tensors = {t.data_ptr(): t for t in self.stock.model.state_dict().values()}  # tied once
+        self.target_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        """Bytes of one copy of the target (what each candidate with mechanisms loads anew)."""
         self.prompts = [list(p) for p in prompts]
         self.max_new_tokens = max_new_tokens
         tok = self.stock.tokenizer
@@ -250,9 +256,27 @@ class Evaluator:
 
     def evaluate_many(self, configs: Sequence[EngineConfig]) -> list[TrialResult]:
         """Build every candidate, warm each up, then measure them all interleaved with one AR
-        baseline arm (its rounds are shared by the chunk)."""
+        baseline arm (its rounds are shared by the group). A candidate with mechanisms holds its
+        own copy of the target: when the device has no room for another copy, the candidates
+        built so far are measured and freed first, and the rest form the next group."""
+        pending, out = list(configs), []
+        while pending:
+            cands = self._build_group(pending)
+            out += self._measure(cands)
+            del cands  # the group's engines (CUDA graphs, target copies) before the next group
+            free_device_memory(self.device)
+        return out
+
+    def _build_group(self, pending: list[EngineConfig]) -> list[_Candidate]:
+        """Build candidates from the front of ``pending`` (popped) while the device has room."""
         cands: list[_Candidate] = []
-        for c in configs:
+        while pending:
+            c = pending[0]
+            if cands and not self._room_for(c):
+                self._say(f"no device memory for another candidate now: {len(cands)} measured "
+                          f"first, {len(pending)} after them")  # fmt: skip
+                break
+            pending.pop(0)
             t0 = time.perf_counter()
             try:  # a candidate that cannot be built or run is a failed trial, not a crash
                 engine = self.make_candidate(c)
@@ -262,6 +286,18 @@ class Evaluator:
             except Exception as e:
                 msg = f"{type(e).__name__}: {e}"
                 cands.append(_Candidate(c, None, time.perf_counter() - t0, msg))
+                free_device_memory(self.device)  # what the failed build had allocated
+        return cands
+
+    def _room_for(self, config: EngineConfig) -> bool:
+        """Whether the device can hold one more candidate: a copy of the target (mechanisms
+        modify the model) with a quarter more for its caches and graphs, plus 2 GiB."""
+        if self.device.type != "cuda" or not config.mechanisms:
+            return True
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free >= 1.25 * self.target_bytes + (2 << 30)
+
+    def _measure(self, cands: list[_Candidate]) -> list[TrialResult]:
         live = {f"c{i}": cd for i, cd in enumerate(cands) if cd.error is None}
         arms: dict[str, Callable[[], Sample]] = {"ar": lambda: self.workload(self.baseline)}
         for name, cd in live.items():
@@ -332,6 +368,14 @@ class Evaluator:
 
     def _failed(self, config: EngineConfig, message: str, wall: float) -> TrialResult:
         return failed_trial(config, message, wall)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Give back what dropped engines held: collect their reference cycles (engine, runner,
+    CUDA graphs), then return the cached blocks to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def failed_trial(
