@@ -22,12 +22,8 @@ from specpilot.drafters import NgramDrafter
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine import Engine, generate
 from specpilot.engine.plans import PackedPlan, TreePlan
-from specpilot.kernels.argmax_bound import (
-    block_bounds_ref,
-    block_bounds_triton,
-    prepare_cheap_head,
-    row_terms,
-)
+from specpilot.kernels.argmax_bound import block_bounds_ref, block_bounds_triton
+from specpilot.kernels.cheap_head import prepare_cheap_head, row_terms
 from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.exact_argmax import ExactArgmaxHead
 from specpilot.mechanisms.exact_argmax_cert import kc_coefficient, stock_rounding

@@ -314,12 +314,13 @@ def test_fused_head_in_the_engine_in_interpreter() -> None:
 
 
 def _group_kernels() -> None:
-    from specpilot.kernels.argmax_bound import block_bounds_ref, prepare_cheap_head, row_terms
+    from specpilot.kernels.argmax_bound import block_bounds_ref
     from specpilot.kernels.argmax_certify import (
         int8_block_bounds,
         refine_logits,
         refine_logits_ref,
     )
+    from specpilot.kernels.cheap_head import prepare_cheap_head, row_terms
     from specpilot.kernels.gemm_common import GemmConfig
     from specpilot.kernels.int8_gemm import counter_buffer, int8_matmul, int8_matmul_reference
     from specpilot.mechanisms.exact_argmax_cert import kc_coefficient, stock_rounding
@@ -366,8 +367,8 @@ def _group_kernels() -> None:
 
 def _fused_group(g: torch.Generator) -> None:
     """The fused kernels against the torch form; the fused head alone and in the engine."""
-    from specpilot.kernels.argmax_bound import row_terms
     from specpilot.kernels.argmax_fused import row_terms_fused
+    from specpilot.kernels.cheap_head import row_terms
     from specpilot.mechanisms.exact_argmax_cert import stock_rounding
 
     for dtype in (torch.float32, torch.bfloat16):

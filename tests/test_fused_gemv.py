@@ -341,7 +341,7 @@ def _group_sm90() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specpilot.kernels.w12_gemv import _gemv_kernel
+    from specpilot.kernels.w12_gemv_kernel import _gemv_kernel
 
     ptrs = ("x64_ptr", "*i64"), ("x16_ptr", "*bf16"), ("w_ptr", "*i64"), ("sm_ptr", "*i32")
     ptrs += ("codes_ptr", "*i32"), ("off_ptr", "*i32"), ("rec_ptr", "*i32"), ("val_ptr", "*bf16")

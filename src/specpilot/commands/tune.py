@@ -12,12 +12,11 @@ from specpilot.commands.common import add_engine_args, config_from_args
 from specpilot.commands.tune_agent import add_agent_args, connect_agent, kernel_asker, make_team
 from specpilot.commands.tune_agent import check as check
 from specpilot.commands.tune_compare import compare_reserve_s, write_run
-from specpilot.engine.config import EngineConfig
+from specpilot.commands.tune_scope import profiled_gaps, scope_notes
 from specpilot.errors import SpecPilotError
 from specpilot.loading.fetch import cache_dir
 
 if TYPE_CHECKING:
-    from specpilot.tune.evaluate_batched import BatchedStream
     from specpilot.tune.ray_executor import RayExecutor
 
 
@@ -358,73 +357,3 @@ def run(args: argparse.Namespace) -> int:
     from specpilot.commands.tune_compare import held_out_compare
 
     return held_out_compare(args, tuned, stock, executor, graphs, rounds, started)
-
-
-def scope_notes(
-    base: EngineConfig,
-    stream: BatchedStream | None,
-    device: str,
-    arch: str,
-    rounds: int,
-    graphs: bool | None = None,
-) -> list[str]:
-    """What this tune measures, and the registered mechanisms it does not search (with why)."""
-    from specpilot.drafters.simulated import SIM_LABEL
-    from specpilot.tune.space import skipped_mechanisms
-
-    runner = "CUDA graphs" if device == "cuda" and graphs is not False else "eager"
-    lines = [
-        f"Measured on the engine the commands serve with ({runner}): each trial warms up, then "
-        f"runs AR and the candidate(s) in {rounds} interleaved rounds in this process; a "
-        "speedup is the median round with its spread; winners must beat the best by more than "
-        "both spreads; a speedup above the cost model's bound is an anomaly, never a winner."
-    ]
-    if stream is not None:
-        lines.append(
-            f"Mode: batched. Every candidate serves the same {stream.size} requests (tuning "
-            f"prompts cycled, all arriving at once) through the continuous-batching scheduler at "
-            f"concurrency {stream.concurrency}; tok/s = tokens of all requests over first arrival "
-            "to last finish, speedup = over batched AR on the same stream; every request's "
-            "output is token-forced."
-        )
-    if base.deployment.simulate_acceptance is not None:
-        lines.append(
-            f"{SIM_LABEL.capitalize()} ({base.deployment.simulate_acceptance}): the drafter runs "
-            "for real, its proposals follow the profile, verification is real; the draft length "
-            "and the drafter's knobs are fixed by the profile, so only mechanisms are searched."
-        )
-    lines += [f"not searched: {s}" for s in skipped_mechanisms(base, device, arch)]
-    return lines
-
-
-def profiled_gaps(
-    evaluator: Any, base: Any, prompts: list[list[int]], max_new_tokens: int
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Components ordered by the time they lose per generated token in the stock engine (largest
-    first), measured by the cost model on the tuning prompts; unranked components follow. And
-    the measured gaps, one line each (``verify 3.10 ms/token (45%)``: the agents' brief)."""
-    from specpilot.costmodel.hardware import measure_ceilings
-    from specpilot.costmodel.profile_run import profile_engines
-    from specpilot.engine.build import build_engine
-    from specpilot.tune.space import STATIC_GAP_ORDER
-
-    build = build_engine(base, target=evaluator.stock)
-    ceilings = measure_ceilings(evaluator.device, evaluator.dtype)
-    # One prompt and two timing rounds: enough to order the components, and cheap enough to leave
-    # the main job's budget to the search.
-    result = profile_engines(
-        build.stock_engine(),
-        build.engine(),
-        prompts[:1],
-        max_new_tokens,
-        evaluator.eos_ids,
-        ceilings,
-        rounds=2,
-    )
-    measured = [g for g in result.prediction.gaps() if g.lost_s_per_token > 0]
-    ranked = [g.component for g in measured]
-    lines = tuple(
-        f"{g.component} {1e3 * g.lost_s_per_token:.2f} ms/token ({100 * g.share:.0f}%)"
-        for g in measured
-    )
-    return tuple(dict.fromkeys([*ranked, *STATIC_GAP_ORDER])), lines

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from specpilot.kernels.argmax_bound import CheapHead, RowTerms, bounds_from_sums
+from specpilot.kernels.argmax_bound import bounds_from_sums
+from specpilot.kernels.cheap_head import CheapHead, RowTerms
 
 SUB = 16
 """Vocabulary rows per refine program (a block of 64 is four programs)."""

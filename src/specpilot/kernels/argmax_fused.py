@@ -9,9 +9,9 @@ head saves. These kernels compute the same quantities in four launches around th
   m ∈ [0.5, 1), from the fp32 bits), ``xq = bf16(x / x_scale)``, and in float64 the norms
   ``||x||``, ``||x_scale·xq||``, ``||x − x_scale·xq||`` padded by ``1 + 2^-40`` and the terms
   ``a, b, tau`` rounded *up* to float32 (round to nearest, then one ulp up when below: exactly
-  ``argmax_bound.round_up_f32``). Rows with a subnormal or huge ``max|x|``, or with an element
+  ``cheap_head.round_up_f32``). Rows with a subnormal or huge ``max|x|``, or with an element
   that is or scales to below 2^-120, are marked not ok (the torch form would go on; here they
-  abstain: no subnormal reaches a kernel that may flush it). Equals ``argmax_bound.row_terms``
+  abstain: no subnormal reaches a kernel that may flush it). Equals ``cheap_head.row_terms``
   otherwise, up to float64 summation order in the norms (covered by the pad).
 * :func:`block_bounds_fused` — one program per (vocabulary block, row): the bound epilogue over
   the INT8 GEMM's fp32 output (``c = scaled · x_scale``, ``D``, block maxima of ``c ± D``; NaN or
@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specpilot.kernels.argmax_bound import PAD, TAU_PAD, UNDERFLOW_PER_OP, CheapHead, RowTerms
+from specpilot.kernels.argmax_bound import PAD
+from specpilot.kernels.cheap_head import TAU_PAD, UNDERFLOW_PER_OP, CheapHead, RowTerms
 from specpilot.kernels.gemm_common import _f32_to_bf16
 
 
@@ -233,7 +234,7 @@ def row_terms_fused(
     head: CheapHead,
     consts: Tensor,  # from fused_constants
 ) -> RowTerms:
-    """:func:`argmax_bound.row_terms` in one launch (module docstring)."""
+    """:func:`cheap_head.row_terms` in one launch (module docstring)."""
     r, h = x.shape
     dev = x.device
     if x.stride(1) != 1 or head.fmt != "int8":

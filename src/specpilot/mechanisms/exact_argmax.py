@@ -6,9 +6,9 @@ Reading all of ``W [V, H]`` in the model dtype is the LM head's cost; this head 
 the full-precision weights only for the few vocabulary blocks that could still hold the maximum.
 When the bounds cannot separate a winner it returns the stock computation itself. Tiers:
 
-1. **Bounds** (``kernels/argmax_bound.py``): per row r and block b, ``upper[r,b] ≥ max_{v∈b} z_v``
-   and ``lower[r,b] ≤ z_v`` for some v in b. ``M_r = max_b lower[r,b]``; a block is a *candidate*
-   if ``upper[r,b] ≥ M_r``.
+1. **Bounds** (``kernels/argmax_bound.py``, from the cheap head of ``kernels/cheap_head.py``): per
+   row r and block b, ``upper[r,b] ≥ max_{v∈b} z_v`` and ``lower[r,b] ≤ z_v`` for some v in b.
+   ``M_r = max_b lower[r,b]``; a block is a *candidate* if ``upper[r,b] ≥ M_r``.
 2. **Refine**: for the union of candidate blocks, logits in float64 from the stock weights, each
    with an interval that contains the stock z_v. The row is *certified* if one candidate's
    interval lies strictly above every other candidate's.
@@ -100,12 +100,11 @@ from torch import Tensor
 
 from specpilot.kernels import triton_usable
 from specpilot.kernels.argmax_bound import (
-    CheapHead,
     block_bounds_blockwise,
     block_bounds_ref,
     block_bounds_triton,
-    prepare_cheap_head,
 )
+from specpilot.kernels.cheap_head import CheapHead, prepare_cheap_head
 from specpilot.mechanisms.exact_argmax_cert import (
     BoundsFn,
     StockRounding,

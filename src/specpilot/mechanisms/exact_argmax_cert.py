@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specpilot.kernels.argmax_bound import (
+from specpilot.kernels.cheap_head import (
     U32,
     UNDERFLOW_PER_OP,
     CheapHead,

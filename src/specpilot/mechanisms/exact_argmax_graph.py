@@ -33,13 +33,9 @@ import torch
 from torch import Tensor
 
 from specpilot.kernels import triton_usable
-from specpilot.kernels.argmax_bound import (
-    CheapHead,
-    RowTerms,
-    block_bounds_ref,
-    prepare_cheap_head,
-)
+from specpilot.kernels.argmax_bound import block_bounds_ref
 from specpilot.kernels.argmax_certify import int8_block_bounds, refine_logits, refine_logits_ref
+from specpilot.kernels.cheap_head import CheapHead, RowTerms, prepare_cheap_head
 from specpilot.mechanisms.exact_argmax_cert import (
     BoundsFn,
     StockRounding,

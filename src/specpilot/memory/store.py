@@ -1,22 +1,19 @@
 """SQLite store for tuning: deployments, mechanisms, runs, trials, validated results.
 
-WAL mode and one transaction per finished trial: a search killed with SIGKILL loses at most the
-trial in flight, and ``tune --resume`` skips every trial already recorded for the run.
+One file (``memory/db.py``: WAL, one transaction per finished trial) that also holds the kernel
+tables (``memory/kernels.py``, whose methods the store has).
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specpilot.errors import SpecPilotError
 from specpilot.memory.fingerprint import Fingerprint
+from specpilot.memory.kernels import KERNEL_SCHEMA, KernelMemory, KernelRow
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deployments (
@@ -64,31 +61,6 @@ CREATE TABLE IF NOT EXISTS validated (
     created REAL NOT NULL,
     PRIMARY KEY (deployment, config_hash)
 );
-CREATE TABLE IF NOT EXISTS kernels (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    slot TEXT NOT NULL,                 -- kernels/slots.py name
-    device TEXT NOT NULL,               -- the GPU (or CPU) it was checked and timed on
-    source_hash TEXT NOT NULL,
-    entry TEXT NOT NULL,
-    source TEXT NOT NULL,
-    shapes TEXT NOT NULL,               -- JSON: the shapes it claimed
-    accepted INTEGER NOT NULL,          -- every check passed at every claimed shape
-    verdict TEXT NOT NULL,              -- JSON: stage, reason, checks, timings, faster_at
-    hypothesis TEXT NOT NULL,
-    created REAL NOT NULL,
-    UNIQUE (slot, device, source_hash)
-);
-CREATE TABLE IF NOT EXISTS kernel_tilings (
-    gpu TEXT NOT NULL,                  -- memory.fingerprint.gpu_fingerprint()["key"]
-    kernel TEXT NOT NULL,               -- e.g. w12_mma
-    shape TEXT NOT NULL,                -- "NxK" of the weight
-    width INTEGER NOT NULL,             -- the M bucket
-    config TEXT NOT NULL,               -- JSON: the winning tiling
-    metrics TEXT NOT NULL,              -- JSON: times, the default's and cuBLAS's, device seconds
-    gpu_info TEXT NOT NULL,             -- JSON: the fingerprint's fields
-    created REAL NOT NULL,
-    PRIMARY KEY (gpu, kernel, shape, width)
-);
 """
 
 
@@ -108,55 +80,11 @@ class TrialRow:
     wall_seconds: float
 
 
-@dataclass(frozen=True, slots=True)
-class KernelRow:
-    id: int
-    slot: str
-    device: str
-    source_hash: str
-    entry: str
-    source: str
-    shapes: list[dict[str, int]]
-    accepted: bool
-    verdict: dict[str, Any]
-    hypothesis: str
-
-
-class MemoryStore:
+class MemoryStore(KernelMemory):
     """One SQLite file; open it, use it, close it (or use it as a context manager)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = sqlite3.connect(str(path), timeout=30, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(SCHEMA)
-        except sqlite3.DatabaseError as e:
-            raise SpecPilotError(
-                f"Memory file {path} is not a usable SQLite database ({e})."
-            ) from None
-
-    def close(self) -> None:
-        self._db.close()
-
-    def __enter__(self) -> MemoryStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        super().__init__(path, SCHEMA + KERNEL_SCHEMA)
 
     # --------------------------------------------------------------- writes
     def add_deployment(self, fp: Fingerprint, label: str) -> str:
@@ -233,87 +161,7 @@ class MemoryStore:
                 (deployment, config_hash, json.dumps(config), speedup, trial, time.time()),
             )
 
-    def add_kernel(
-        self,
-        slot: str,
-        device: str,
-        source_hash: str,
-        entry: str,
-        source: str,
-        shapes: list[dict[str, int]],
-        verdict: dict[str, Any],
-        hypothesis: str,
-    ) -> int:
-        """A kernel source the sandbox judged (``tune/kernel_sandbox.py``), with its checks."""
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT OR REPLACE INTO kernels (slot, device, source_hash, entry, source, shapes, "
-                "accepted, verdict, hypothesis, created) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    slot, device, source_hash, entry, source, json.dumps(shapes),
-                    int(bool(verdict.get("accepted"))), json.dumps(verdict), hypothesis, time.time(),
-                ),
-            )  # fmt: skip
-            return int(cur.lastrowid or 0)
-
-    def put_tiling(
-        self,
-        gpu: dict[str, str],
-        kernel: str,
-        shape: tuple[int, int],
-        width: int,
-        config: dict[str, Any],
-        metrics: dict[str, Any],
-    ) -> None:
-        """Record the kernel search's winner for one weight shape and width on one GPU."""
-        with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO kernel_tilings VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (gpu["key"], kernel, f"{shape[0]}x{shape[1]}", width, json.dumps(config),
-                 json.dumps(metrics), json.dumps(gpu), time.time()),
-            )  # fmt: skip
-
-    def tilings(self, gpu_key: str, kernel: str) -> dict[tuple[int, int, int], dict[str, Any]]:
-        """The kernel search's winners on GPU ``gpu_key``: ``(N, K, width) -> {"config",
-        "metrics"}``."""
-        rows = self._db.execute(
-            "SELECT shape, width, config, metrics FROM kernel_tilings WHERE gpu = ? AND kernel = ?",
-            (gpu_key, kernel),
-        ).fetchall()
-        out = {}
-        for shape, width, config, metrics in rows:
-            n, k = (int(v) for v in shape.split("x"))
-            out[(n, k, int(width))] = {"config": json.loads(config), "metrics": json.loads(metrics)}
-        return out
-
     # ---------------------------------------------------------------- reads
-    def kernels(
-        self, slot: str | None = None, device: str | None = None, accepted: bool | None = None
-    ) -> list[KernelRow]:
-        q, args = (
-            "SELECT id, slot, device, source_hash, entry, source, shapes, accepted, verdict, hypothesis FROM kernels WHERE 1=1",
-            list[Any](),
-        )
-        for col, value in (("slot", slot), ("device", device), ("accepted", accepted)):
-            if value is not None:
-                q, args = q + f" AND {col} = ?", [*args, int(value) if col == "accepted" else value]
-        rows = self._db.execute(q + " ORDER BY id", args).fetchall()
-        return [
-            KernelRow(
-                r[0],
-                r[1],
-                r[2],
-                r[3],
-                r[4],
-                r[5],
-                json.loads(r[6]),
-                bool(r[7]),
-                json.loads(r[8]),
-                r[9],
-            )
-            for r in rows
-        ]
-
     def trials(self, run: int | None = None, deployment: str | None = None) -> list[TrialRow]:
         q, args = "SELECT * FROM trials WHERE 1=1", list[Any]()
         if run is not None:

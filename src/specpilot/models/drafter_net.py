@@ -1,6 +1,6 @@
 """What the learned drafters' networks (``models/dflash.py``, ``models/eagle3.py``) share: their
 layers' config derived from the target's, the target they read tensors of, held outside the
-module tree, the RoPE tables at the target's length, and the members of ``forward.Network``
+module tree, the RoPE tables at the target's length, and the members of ``network.Network``
 that come from those."""
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 packed or tree) with one layer body: RMSNorm → qkv → RoPE (+ q/k norm) and K/V write → attention
 over the cache (GQA group folded into the query rows, an additive mask) → o → RMSNorm →
 gate/up → SiLU·mul → down. Prefill, AR steps, chain, ragged and tree verify, the block
-drafter's block and token forcing all run this body; what differs is the layout.
+drafter's block and token forcing all run this body; what differs is the layout. Its attention
+steps (RoPE, the K/V write, attention over the cache) are ``models/attention.py``'s, mixed in;
+what it reads of a network is ``models/network.py``'s protocol.
 
 It has no host sync and fixed shapes per call site, so the engine can capture it in CUDA graphs.
 Two ways to run the small ops, numerically the stock ones up to rounding:
@@ -28,60 +30,20 @@ product uses the layer's ``[in, out]`` copy when the model keeps one
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Generic
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specpilot.kernels import reference, triton_usable
+from specpilot.models.attention import AttentionSteps
 from specpilot.models.kv_cache import KVCache
 from specpilot.models.layer import DecoderLayer, FusedSteps
-from specpilot.models.layout import DenseLayout, Layout, PackedLayout
-
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-"""SDPA's backends on CUDA: not cuDNN, which builds an execution plan for every new shape; a
-prefill has a new shape with every prompt length, about 80 ms of an 8B prefill's 100 on the
-H200 (``bench/ttft_trace_gpu.py``). Graph capture runs the same backends as its eager warm-up
-(a plan built inside a capture would break it)."""
-
-if TYPE_CHECKING:
-    from specpilot.config import ModelConfig
-
-
-class Network(Protocol):
-    """What the layer body reads of a network: a :class:`Transformer`, or a drafter network
-    built on the target's embedding and LM head (``models/dflash.py``)."""
-
-    @property
-    def cfg(self) -> ModelConfig: ...
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def layers(self) -> Iterable[torch.nn.Module]: ...
-    @property
-    def embed(self) -> Tensor: ...  # [vocab, hidden]
-    @property
-    def final_norm(self) -> Tensor: ...  # [hidden]
-    @property
-    def lm_head(self) -> Tensor: ...  # [vocab, hidden]
-    @property
-    def lm_head_in_out(self) -> Tensor | None: ...  # [hidden, vocab] copy, or None
-    @property
-    def argmax_head(self) -> Callable[[Tensor], Tensor] | None: ...
-    @property
-    def rope_cos(self) -> Tensor: ...  # [P, head_dim] float32
-    @property
-    def rope_sin(self) -> Tensor: ...
-
-
-NetT = TypeVar("NetT", bound=Network)
+from specpilot.models.layout import DenseLayout, Layout
+from specpilot.models.network import NetT
 
 
 def _no_hook(point: str) -> None:
@@ -102,7 +64,7 @@ def _phase_hooks(layer: DecoderLayer) -> Callable[[str], None]:
     return at
 
 
-class Forward(Generic[NetT]):
+class Forward(AttentionSteps, Generic[NetT]):
     """The layer body and the whole passes over a :class:`Transformer`'s weights (or another
     :class:`Network`'s: a DFlash drafter's)."""
 
@@ -172,103 +134,6 @@ class Forward(Generic[NetT]):
         if self._k is not None:
             return self._k.silu_mul(gate_up)
         return reference.silu_mul_ref(gate_up)
-
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor, norm_w: Tensor | None) -> Tensor:
-        """Torch path: optional per-head RMSNorm, then rotate-half RoPE of ``x [M, H, D]``."""
-        if norm_w is not None:
-            x = reference.rms_norm_ref(x, norm_w, self.cfg.rms_norm_eps)
-        ops = getattr(self.model, "small_ops", None)
-        y = None if ops is None else ops.rope(x, cos, sin)
-        if y is not None:
-            return y
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).to(x.dtype)
-
-    def rope_write(
-        self,
-        layer: DecoderLayer,
-        qkv: Tensor,  # [M, q + 2kv] (q_heads == 0: [M, 2kv])
-        k_cache: Tensor,  # [B, H_kv, S, D]
-        v_cache: Tensor,
-        lay: Layout,
-        q_heads: int,
-    ) -> Tensor:
-        """RoPE (+ q/k norm), K/V written at the layout's slots; q in the padded block
-        ``[B, H_kv, G*W, D]`` (empty when ``q_heads == 0``)."""
-        cfg, model = self.cfg, self.model
-        d, hkv, m = cfg.head_dim, cfg.num_kv_heads, qkv.shape[0]
-        if self._k is not None:
-            args = (model.rope_cos, model.rope_sin, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
-            if isinstance(lay, PackedLayout):
-                return self._k.rope_qkv_write_packed(
-                    qkv.contiguous(), q_heads, hkv, d, lay.batch, lay.width, lay.positions,
-                    lay.place, *args, k_cache, v_cache,
-                )[: lay.batch]  # fmt: skip
-            return self._k.rope_qkv_write(
-                qkv.contiguous(), q_heads, hkv, d, lay.batch, lay.positions, *args,
-                k_cache, v_cache, lay.slots,
-            )  # fmt: skip
-        ops = getattr(model, "small_ops", None)
-        start = lay.write_start if isinstance(lay, DenseLayout) else None  # one row, eager
-        if ops is not None and start is not None and q_heads > 0 and layer.q_norm is None:
-            cos, sin = lay.cos_sin(model.rope_cos, model.rope_sin)
-            q = ops.rope_write(qkv, q_heads, cos, sin, k_cache, v_cache, start)
-            if q is not None:
-                return lay.place_q(q, hkv)
-        q_cols = q_heads * d
-        k = qkv[:, q_cols : q_cols + hkv * d].reshape(m, hkv, d)
-        v = qkv[:, q_cols + hkv * d :].reshape(m, hkv, d)
-        cos, sin = lay.cos_sin(model.rope_cos, model.rope_sin)
-        lay.write_kv(self._rope(k, cos, sin, layer.k_norm), v, k_cache, v_cache)
-        if q_heads == 0:
-            return qkv.new_empty(lay.batch, hkv, 0, d)
-        q = self._rope(qkv[:, :q_cols].reshape(m, q_heads, d), cos, sin, layer.q_norm)
-        return lay.place_q(q, hkv)
-
-    def rope_write_attend(
-        self,
-        layer: DecoderLayer,
-        qkv: Tensor,  # [M, q + 2kv]
-        k_cache: Tensor,  # [B, H_kv, S, D]
-        v_cache: Tensor,
-        lay: Layout,
-    ) -> Tensor | None:  # [M, H*D], or None: rope_write and attend run
-        """CPU small ops: RoPE, K/V write and causal attention of a batch-1 dense block with a
-        host-known start (AR steps, the chain verify) in one call (``SmallOps.rope_write`` with
-        ``attn_len``); None elsewhere (the Triton path, q/k norm, a non-causal or own mask)."""
-        ops = getattr(self.model, "small_ops", None)
-        if ops is None or self._k is not None or layer.q_norm is not None:
-            return None
-        if not isinstance(lay, DenseLayout) or lay.write_start is None or lay.batch != 1:
-            return None
-        if not lay.causal or lay.start is None:
-            return None  # only build's causal block_mask (or none, one exact row) is the kernel's
-        cos, sin = lay.cos_sin(self.model.rope_cos, self.model.rope_sin)
-        return ops.rope_write(
-            qkv, self.cfg.num_heads, cos, sin, k_cache, v_cache, lay.write_start, lay.attn_len
-        )
-
-    def attend(
-        self,
-        q: Tensor,  # [B, H_kv, G*W, D]
-        k_cache: Tensor,  # [B, H_kv, S, D]
-        v_cache: Tensor,
-        lay: Layout,
-    ) -> Tensor:  # [M, H*D] in forward-row order
-        """Attention over the cache: the model's ``dense_attention`` kernel (plug point
-        ``kernel_choice``) on the Triton path for a dense layout that carries its lengths;
-        SDPA under the layout's mask and ``lay.gather`` otherwise (the stock path always, and
-        any layout the kernel declines by returning None)."""
-        fn = getattr(self.model, "dense_attention", None) if self._k is not None else None
-        if fn is not None and isinstance(lay, DenseLayout) and lay.start is not None:
-            out = fn(q, k_cache, v_cache, lay)
-            if out is not None:
-                return out
-        k, v = k_cache[:, :, : lay.attn_len], v_cache[:, :, : lay.attn_len]
-        with sdpa_kernel(SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext():
-            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask)
-        return lay.gather(attn)  # attn: [B, H_kv, G*W, D]
 
     # ------------------------------------------------------------------ the layer body
     def layer(

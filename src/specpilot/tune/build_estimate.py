@@ -1,6 +1,6 @@
 """How long a candidate will take before it is started: the budget check of ``tune``.
 
-The loop's generic check (``TuneLoop._time_left``: one more chunk as long as the median chunk)
+The loop's generic check (``TrialRunner.time_left``: one more chunk as long as the median chunk)
 cannot see that some candidates cost far more than the median: a mechanism whose kernels compile
 for each new tiling (issue 26: a fused-GEMV candidate built for 83 s when 40 s were left, and the
 tune overran by more than 50 s). So every finished trial's wall seconds are kept by the set of

@@ -10,34 +10,28 @@ round r: rank the gaps → the explorers of the directions that attack the bigge
          stacked and the stack re-measured (gains do not simply add) → memory is updated.
 Every speedup is a median of per-round ratios over AR measured interleaved in one process
 (``tune/evaluate.py``); a candidate within the noise of the best is not a winner.
-Stop at the round or time budget, or after a round that improves nothing. The time budget is a
-wall-clock deadline checked before every chunk of candidates (they share AR rounds): a chunk is
-started only if the time left covers the median chunk so far, so the last round is cut short
-cleanly (its finished candidates are still integrated) instead of overrunning. A streaming
-executor (Ray's, ``tune/ray_executor.py``) hands trials to its workers one by one: there the
-budget is checked before every trial (against the median trial), each result is written to
-memory as it arrives, and a round's candidates of all its directions go to the workers as one
-queue (``tune/dispatch.py``); the round's decisions wait for all of them, so the search is the
-same as one direction after another. Without a warm start the stock trial joins round 1's queue
-(round 1 proposes around the stock config, known before it is measured). The loop is the
-memory's one writer; workers only return results.
+Stop at the round or time budget, or after a round that improves nothing. The trials are run,
+budgeted and recorded by ``tune/trials.py`` (a chunk is started only if the time left covers the
+median chunk so far, so the last round is cut short cleanly: its finished candidates are still
+integrated). With a streaming executor (Ray's, ``tune/ray_executor.py``) a round's candidates of
+all its directions go to the workers as one queue (``tune/dispatch.py``); the round's decisions
+wait for all of them, so the search is the same as one direction after another. Without a warm
+start the stock trial joins round 1's queue (round 1 proposes around the stock config, known
+before it is measured).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from specpilot.engine.config import EngineConfig
 from specpilot.memory import Fingerprint, MemoryStore
-from specpilot.tune.build_estimate import BuildEstimates
 from specpilot.tune.confirm import best_contender, clock, confirm_winner
-from specpilot.tune.dispatch import Batch, stream_batches
+from specpilot.tune.dispatch import Batch
 from specpilot.tune.evaluate import TrialResult
-from specpilot.tune.executors import Executor, StreamingExecutor
+from specpilot.tune.executors import Executor
 from specpilot.tune.explorers import Proposal, Proposer, make_explorer
 from specpilot.tune.integrate import stacked
 from specpilot.tune.outcome import Trial, TuneOutcome, TuneSettings
@@ -45,11 +39,11 @@ from specpilot.tune.proposal import RoundPlanner
 from specpilot.tune.space import (
     STATIC_GAP_ORDER,
     Direction,
-    config_hash,
     describe,
     rank_directions,
     with_deployment,
 )
+from specpilot.tune.trials import TrialRunner
 from specpilot.tune.usage import Usage
 
 Measured = Iterable[tuple[Direction, list[Proposal], list[TrialResult]]]
@@ -75,9 +69,11 @@ class TuneLoop:
         kernels: dict[str, Any] | None = None,
     ) -> None:
         self.base, self.executor, self.store, self.fp = base, executor, store, fingerprint
-        self.pool = executor if isinstance(executor, StreamingExecutor) else None
-        """The executor, if it streams results to a pool's idle workers (one queue a round)."""
         self.settings, self.log = settings, log
+        self.runner = TrialRunner(
+            base, executor, store, fingerprint, label, settings, resume, log, kernels
+        )
+        """Runs, budgets and records the trials (the run in memory, its finished trials)."""
         self.directions = rank_directions(directions, gap_order)
         self.by_name = {d.name: d for d in self.directions}
         self.planner = planner
@@ -86,121 +82,22 @@ class TuneLoop:
         for d in self.directions:
             tpe = make_explorer(d, settings.seed, settings.explorer)
             self.explorers[d.name] = planner.explorer(d, tpe) if planner else tpe
-        self.t0 = time.perf_counter()
-        self.chunk_seconds: list[float] = []
-        """Seconds of every ``executor.map`` call so far (a chunk shares its AR rounds, so it
-        costs about the sum of its trials); the next one starts only if a typical one fits."""
-        self.finished: dict[str, float] = {}
-        """Loop seconds at which each streamed trial came back, by config hash."""
         self.quarantined: set[str] = set()
         self._proposed: set[str] = set()
         """Directions that have proposed at least once (a probe proposes one trial first)."""
-        self.kernels = kernels
-        """The kernel search's tilings (``EngineConfig.kernels``), given to every candidate that
-        runs W12's tensor-core kernel."""
-        self.deployment = store.add_deployment(fingerprint, label)
-        self.builds = BuildEstimates(
-            (t.config, t.wall_seconds) for t in store.trials(deployment=self.deployment)
-        )
-        previous = store.latest_run(self.deployment) if resume else None
-        if previous is not None:
-            self.run_id = previous[0]
-            self.done = {t.config_hash: t for t in store.trials(run=self.run_id)}
-            self.log(
-                f"resuming run {self.run_id}: {len(self.done)} finished trials are reused, not re-run"
-            )
-        else:
-            self.run_id = store.start_run(
-                self.deployment, {"settings": settings.__repr__(), "base": base.to_json()}
-            )
-            self.done = {}
+
+    @property
+    def run_id(self) -> int:
+        """This search's run in memory."""
+        return self.runner.run_id
 
     # ------------------------------------------------------------------ helpers
     def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.runner.elapsed()
 
     def _time_left(self) -> bool:
-        """True if one more chunk, as long as the median chunk so far, fits in the budget. (The
-        slowest chunk would be safer but lets one slow direction, a draft model, starve every
-        later one; an overrun is at most the slowest less the median, and the final compare
-        fits itself into what is left.)"""
-        typical = statistics.median(self.chunk_seconds) if self.chunk_seconds else 0.0
-        return self.elapsed() + typical <= self.settings.budget_seconds
-
-    def _evaluate(
-        self, round_: int, explorer: str, configs: Sequence[EngineConfig], force: bool = False
-    ) -> list[TrialResult]:
-        """Evaluate configs not already finished in this run; record each as it comes back.
-
-        Configs are sent in chunks of the executor's width (or one by one to a streaming
-        executor); before each chunk (trial) the budget is checked (unless ``force``), so the
-        result may be shorter than ``configs``."""
-        configs = [self._prepared(c) for c in configs]
-        if self.pool is not None:
-            return self._stream([Batch(round_, explorer, list(configs), force)])[0]
-        todo = list(
-            {config_hash(c): c for c in configs if config_hash(c) not in self.done}.values()
-        )
-        results: dict[str, TrialResult] = {}
-        width = max(1, int(getattr(self.executor, "width", 1)))
-        for i in range(0, len(todo), width):
-            if not force and not self._time_left():
-                self.log(f"  [{explorer}] time budget reached: {len(todo) - i} candidates not run")
-                break
-            left = self.settings.budget_seconds - self.elapsed()
-            fits, why = self.builds.fits(todo[i : i + width], left)
-            if not force and not fits:
-                self.log(f"  [{explorer}] not started: {why}; {len(todo) - i} candidates not run")
-                break
-            t0 = time.perf_counter()
-            for r in self.executor.map(todo[i : i + width]):
-                results[config_hash(r.config)] = r
-            self.chunk_seconds.append(time.perf_counter() - t0)
-        return self._collect(round_, explorer, configs, results)
-
-    def _collect(
-        self,
-        round_: int,
-        explorer: str,
-        configs: Sequence[EngineConfig],
-        results: dict[str, TrialResult],
-    ) -> list[TrialResult]:
-        """The results of ``configs`` in order (read from memory if finished earlier), up to the
-        first one the budget cut; each new one is recorded and logged unless it was on arrival."""
-        out = []
-        for c in configs:
-            h = config_hash(c)
-            if h in results:
-                r = results[h]
-                if h not in self.done:  # a streamed result is recorded (and logged) on arrival
-                    self._record(round_, explorer, c, r)
-                    self._log_trial(explorer, c, r)
-            elif h in self.done:
-                r = TrialResult.from_row(c, self.done[h])
-                self._log_trial(explorer, c, r)
-            else:  # cut by the budget
-                break
-            out.append(r)
-        return out
-
-    def _stream(self, batches: list[Batch]) -> list[list[TrialResult]]:
-        """Run the batches on the pool as one queue (``tune/dispatch.py``); each result is
-        written to memory and logged as it arrives (a pool lost mid-round loses no finished
-        trial). Per batch, its results as ``_evaluate`` gives them."""
-        assert self.pool is not None
-
-        def arrived(b: Batch, r: TrialResult) -> None:
-            self._record(b.round, b.explorer, r.config, r)
-            self._log_trial(b.explorer, r.config, r)
-            self.finished[config_hash(r.config)] = self.elapsed()
-            if r.busy_seconds > 0:
-                self.chunk_seconds.append(r.busy_seconds)
-
-        stream_batches(self.pool, batches, self.done, self._time_left, arrived)
-        for b in batches:
-            if b.not_run:
-                self.log(f"  [{b.explorer}] time budget reached: {b.not_run} candidates not run")
-        return [self._collect(b.round, b.explorer, b.configs, b.ran) for b in batches]
+        """True if one more chunk fits in the budget (``TrialRunner.time_left``)."""
+        return self.runner.time_left()
 
     def _pool_round(
         self, round_: int, picked: list[Direction], best: EngineConfig, stock: bool = False
@@ -210,10 +107,11 @@ class TuneLoop:
         self._plan(round_, picked, best)
         plans = [(d, self.explorers[d.name].propose(best, self._trials(d))) for d in picked]
         batches = [
-            Batch(round_, d.name, [self._prepared(p.config) for p in props]) for d, props in plans
+            Batch(round_, d.name, [self.runner.prepared(p.config) for p in props])
+            for d, props in plans
         ]
         lead = [Batch(0, "stock", [self.base], force=True)] if stock else []
-        got = self._stream(lead + batches)
+        got = self.runner.stream(lead + batches)
         out = [(d, props, res) for (d, props), res in zip(plans, got[len(lead) :], strict=True)]
         return out, got[0][0] if stock else None
 
@@ -224,13 +122,13 @@ class TuneLoop:
             if not self._time_left():
                 return
             props = self.explorers[d.name].propose(best, self._trials(d))
-            yield d, props, self._evaluate(round_, d.name, [p.config for p in props])
+            yield d, props, self.runner.evaluate(round_, d.name, [p.config for p in props])
 
     def _plan(self, round_: int, picked: list[Direction], best: EngineConfig) -> None:
         if self.planner is not None:  # its trials so far, and the budget's deadline
             rows = self.store.trials(run=self.run_id)
             self.planner.start_round(
-                round_, picked, best, rows, self.t0 + self.settings.budget_seconds
+                round_, picked, best, rows, self.runner.t0 + self.settings.budget_seconds
             )
 
     def _trials(self, d: Direction) -> int:
@@ -260,51 +158,14 @@ class TuneLoop:
                 continue
         return out
 
-    def _trial(self, round_: int, explorer: str, r: TrialResult, **kw: Any) -> Trial:
-        """A trial for the outcome, stamped when it came back (streamed) or now."""
-        at = self.finished.get(config_hash(r.config), self.elapsed())
-        return Trial(round_, explorer, r, elapsed=at, **kw)
-
-    def _prepared(self, c: EngineConfig) -> EngineConfig:
-        """``c`` with the kernel search's tilings if it runs W12's tensor-core kernel."""
-        w12 = c.mechanisms.get("w12")
-        if self.kernels is None or w12 is None or w12.get("kernel") != "mma":
-            return c
-        return dataclasses.replace(c, kernels=self.kernels)
-
-    def _record(self, round_: int, explorer: str, c: EngineConfig, r: TrialResult) -> None:
-        self.builds.record(c, r.wall_seconds)
-        h = config_hash(c)
-        self.store.add_trial(
-            self.run_id,
-            self.deployment,
-            round_,
-            explorer,
-            h,
-            _cfg(c),
-            r.metrics(),
-            r.forcing_ok,
-            r.forcing,
-            r.device_seconds,
-            r.wall_seconds,
-        )
-        self.done[h] = self.store.trials(run=self.run_id)[-1]
-
-    def _log_trial(self, explorer: str, c: EngineConfig, r: TrialResult) -> None:
-        where = f" (on {r.worker})" if r.worker != "local" else ""
-        self.log(
-            f"  [{clock(self.elapsed())}] [{explorer}] {describe(c)}: {r.tok_s:.1f} tok/s, "
-            f"{r.spread_text()} AR, τ {r.tau:.2f}, {r.verdict()}{where}"
-        )
-
     # --------------------------------------------------------------------- loop
     def run(self) -> TuneOutcome:
-        self.t0 = time.perf_counter()
+        self.runner.t0 = time.perf_counter()
         s = self.settings
         self.log(f"round 0: stock engine ({describe(self.base)}) and warm start")
         warm = self._warm_start()
         ahead: tuple[list[Direction], Measured] | None = None
-        if self.pool is not None and not warm and s.rounds >= 1 and self._time_left():
+        if self.runner.pool is not None and not warm and s.rounds >= 1 and self._time_left():
             # Round 1 proposes around the stock config, known before it is measured, and only
             # its decisions need the stock result: the stock trial leads round 1's queue.
             picked = self._pick(1, "the stock engine, measured in this round")
@@ -312,15 +173,15 @@ class TuneLoop:
             assert first is not None
             stock, ahead = first, (picked, first_round)
         else:
-            stock = self._evaluate(0, "stock", [self.base], force=True)[0]
+            stock = self.runner.evaluate(0, "stock", [self.base], force=True)[0]
         outcome = TuneOutcome(stock=stock, best=stock, ar_tok_s=self.executor.ar_tok_s)
-        outcome.trials.append(self._trial(0, "stock", stock))
+        outcome.trials.append(self.runner.trial(0, "stock", stock))
         for label, cfg in warm:
-            got = self._evaluate(0, "memory", [cfg])
+            got = self.runner.evaluate(0, "memory", [cfg])
             if not got:
                 break
             r = got[0]
-            outcome.trials.append(self._trial(0, "memory", r, reused_from=label))
+            outcome.trials.append(self.runner.trial(0, "memory", r, reused_from=label))
             outcome.reused.append(f"{label}: {describe(cfg)} → {r.spread_text()} here")
             if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
                 confirmed = self._confirm(0, outcome, r)
@@ -337,7 +198,7 @@ class TuneLoop:
                 break
             else:
                 picked = self._pick(round_, f"{outcome.best.speedup:.2f}x")
-                if self.pool is None:
+                if self.runner.pool is None:
                     measured = self._one_by_one(round_, picked, outcome.best.config)
                 else:
                     measured = self._pool_round(round_, picked, outcome.best.config)[0]
@@ -348,7 +209,7 @@ class TuneLoop:
                 ex = self.explorers[d.name]
                 for p, r in zip(proposals, results, strict=False):  # shorter if cut by the budget
                     ex.tell(p.trial_number, r.speedup if r.eligible else 0.0)
-                    outcome.trials.append(self._trial(round_, d.name, r))
+                    outcome.trials.append(self.runner.trial(round_, d.name, r))
                     if r.eligible:
                         eligible.append((p, r))
                     if r.eligible and r.ratio.beats(outcome.best.ratio, s.min_gain):
@@ -398,8 +259,8 @@ class TuneLoop:
             derive = {name: d.derive for name, d in self.by_name.items()}
             stack = stacked(outcome.best.config, winners, derive)
             if stack is not None:  # integrate: every direction's winner stacked, re-measured
-                for r in self._evaluate(round_, "integrate", [stack]):
-                    outcome.trials.append(self._trial(round_, "integrate", r))
+                for r in self.runner.evaluate(round_, "integrate", [stack]):
+                    outcome.trials.append(self.runner.trial(round_, "integrate", r))
                     if r.eligible and r.ratio.beats(new_best.ratio):
                         new_best = r
             confirmed = self._confirm(round_, outcome, new_best, contender is None)
@@ -410,19 +271,10 @@ class TuneLoop:
                 continue
             stale = {}
             outcome.best = new_best = confirmed
-            h = config_hash(new_best.config)
-            self.store.validate(
-                self.deployment, h, _cfg(new_best.config), new_best.speedup, self.done[h].id
-            )
+            self.runner.validate(new_best)
 
         if outcome.best is stock and stock.forcing_ok:
-            self.store.validate(
-                self.deployment,
-                config_hash(stock.config),
-                _cfg(stock.config),
-                stock.speedup,
-                self.done[config_hash(stock.config)].id,
-            )
+            self.runner.validate(stock)
         seen = {t.explorer for t in outcome.trials}
         outcome.unexplored = [d.name for d in self.directions if d.name not in seen]
         if outcome.unexplored:
@@ -449,11 +301,5 @@ class TuneLoop:
             interval_ok, self.log, self.elapsed,
         )  # fmt: skip
         if seconds is not None:
-            self.chunk_seconds.append(seconds)
+            self.runner.chunk_seconds.append(seconds)
         return got
-
-
-def _cfg(c: EngineConfig) -> dict[str, Any]:
-    import json
-
-    return dict(json.loads(c.to_json()))
