@@ -274,7 +274,7 @@ def _search_again(ks: Any, mats: dict, store: Any, first: Any, sneaky: OfferRef,
     assert str(os.getpid()) not in marker.read_text().split()  # never imported in here
     assert all(v["metrics"]["offer"]["row"] != 9999 for v in store.tilings(gpu["key"], ks.KERNEL).values())  # fmt: skip
     kernel_sandbox.run_sandbox, ks.graph_time = real_sandbox, real_timer
-    print(f"kernel seconds: first search {first.device_s:.2f}, second {second.device_s:.2f} "
+    print(f"kernel seconds: first search {first.device_s:.2f}, second {second.device_s:.3f} "
           f"({100 * second.device_s / first.device_s:.1f}%), third (2 of 4 cells searched "
           f"again) {third.device_s:.2f}")  # fmt: skip
 
