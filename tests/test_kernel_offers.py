@@ -1,6 +1,7 @@
 """From the kernel sub-agent to the engine: a scripted agent's W12 kernels, judged by the sandbox,
-taken by the kernel search as candidates (re-checked at the target's shapes, timed, chosen), and
-run by the engine's W12 linear, loaded from the memory (``kernels/offers.py``).
+taken by the kernel search as candidates (re-checked at the target's shapes, timed, chosen),
+reused by a second search over the same memory (searched again where a stored offer fails its
+re-check), and run by the engine's W12 linear, loaded from the memory (``kernels/offers.py``).
 
 The search and the engine run through the Triton interpreter in a subprocess
 (``run_interpreted``, ``TRITON_INTERPRET=1`` before triton imports); the search's timer is a
