@@ -1,6 +1,7 @@
 """From the kernel sub-agent to the engine: a scripted agent's W12 kernels, judged by the sandbox,
-taken by the kernel search as candidates (re-checked at the target's shapes, timed, chosen), and
-run by the engine's W12 linear, loaded from the memory (``kernels/offers.py``).
+taken by the kernel search as candidates (re-checked at the target's shapes, timed, chosen),
+reused by a second search over the same memory (searched again where a stored offer fails its
+re-check), and run by the engine's W12 linear, loaded from the memory (``kernels/offers.py``).
 
 The search and the engine run through the Triton interpreter in a subprocess
 (``run_interpreted``, ``TRITON_INTERPRET=1`` before triton imports); the search's timer is a
@@ -13,7 +14,9 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -192,6 +195,8 @@ def _flow(tmp: Path) -> None:
         assert result.offers is not None and set(result.offers.cells) == {(n, k, m) for n, k in mats for m in (1, 4)}  # fmt: skip
         stored = store.tilings(key, "w12_mma")
         assert all(v["metrics"]["offer"]["source_hash"] == source_hash(GOOD) for v in stored.values())  # fmt: skip
+        assert all(v["metrics"]["offer_check"]["widths"] == [1, 3, 4] for v in stored.values())
+        _search_again(ks, mats, store, result, offered[1].ref(), marker)
 
     # the engine: the config carries the choice; the W12 linear loads the offer from the memory
     dep = DeploymentSpec(target="t", drafter="none", device="cpu", dtype="bf16")
@@ -216,6 +221,63 @@ def _flow(tmp: Path) -> None:
     assert via_offer == via_stock, (via_offer, via_stock)
     assert str(os.getpid()) not in marker.read_text().split()
     print("flow ok")
+
+
+def _search_again(ks: Any, mats: dict, store: Any, first: Any, sneaky: OfferRef, marker: Path) -> None:  # fmt: skip
+    """A second search over the same memory re-uses the cells the good offer won: no sandbox
+    (its pass at these shapes, widths and weights is in the memory), no sweep, three timings a
+    cell; then a stored offer that fails its re-check, and one whose source the memory no
+    longer holds, are searched again (with the test's timer: counts, not a measurement)."""
+    import os
+    from dataclasses import asdict
+
+    from specpilot.kernels.offers import source_hash
+    from specpilot.memory.fingerprint import gpu_fingerprint
+    from specpilot.tune import kernel_sandbox
+
+    sandboxed: list[str] = []
+    timed: list[object] = []
+    real_sandbox, real_timer = kernel_sandbox.run_sandbox, ks.graph_time
+
+    def sandbox(source: str, *a: Any, **kw: Any) -> Any:
+        sandboxed.append(source_hash(source))
+        return real_sandbox(source, *a, **kw)
+
+    def timer(calls: list, device: torch.device, reps: int = 4) -> float:
+        timed.append(calls[0].func)
+        return real_timer(calls, device, reps)
+
+    kernel_sandbox.run_sandbox, ks.graph_time = sandbox, timer
+    good, cpu = source_hash(GOOD), torch.device("cpu")
+    second = ks.search_w12_mma(mats, (1, 3), cpu, 600.0, store, log=lambda m: None, rounds=1)
+    assert [(r.reused, r.tried, r.offer) for r in second.rows] == [(True, 0, good)] * 4, second.lines()  # fmt: skip
+    assert sandboxed == [] and sum("not run again" in n for n in second.notes) == 2, second.notes
+    assert len(timed) == 3 * 4  # per cell the offer, the default and cuBLAS once (a search: 5)
+    assert second.offers is not None and second.offers.cells == first.offers.cells
+    assert second.device_s <= 0.1 * first.device_s, (second.device_s, first.device_s)
+
+    gpu = gpu_fingerprint(cpu)
+    stored = store.tilings(gpu["key"], ks.KERNEL)
+    for cell, ref in (((64, 64, 1), sneaky), ((288, 64, 4), replace(second.offers.cells[(288, 64, 4)], row=9999))):  # fmt: skip
+        hit = stored[cell]  # the good offer's pass stays in the record: it names its source
+        store.put_tiling(gpu, ks.KERNEL, cell[:2], cell[2], hit["config"], {**hit["metrics"], "offer": asdict(ref)})  # fmt: skip
+    sandboxed.clear()
+    third = ks.search_w12_mma(mats, (1, 3), cpu, 600.0, store, log=lambda m: None, rounds=1)
+    rows = {(*r.shape, r.width): r for r in third.rows}
+    assert [c for c, r in rows.items() if not r.reused] == [(64, 64, 1), (288, 64, 4)], third.lines()  # fmt: skip
+    assert all(r.offer == good for r in rows.values()) and rows[(64, 64, 1)].tried == 2
+    assert sandboxed == [sneaky.source_hash, good, sneaky.source_hash], sandboxed
+    notes = "\n".join(third.notes)
+    assert f"64x64 M<=1: the stored winner, agent offer {sneaky.source_hash}, did not pass its re-check (above); searching again" in notes, notes  # fmt: skip
+    assert f"offer {sneaky.source_hash}: failed its re-check at 64x64" in notes
+    assert f"288x64 M<=4: the stored winner, agent offer {good}, did not pass" in notes
+    assert f"offer {good}: kernel {good} of w12-gemm is not accepted in the memory" in notes
+    assert str(os.getpid()) not in marker.read_text().split()  # never imported in here
+    assert all(v["metrics"]["offer"]["row"] != 9999 for v in store.tilings(gpu["key"], ks.KERNEL).values())  # fmt: skip
+    kernel_sandbox.run_sandbox, ks.graph_time = real_sandbox, real_timer
+    print(f"kernel seconds: first search {first.device_s:.2f}, second {second.device_s:.3f} "
+          f"({100 * second.device_s / first.device_s:.1f}%), third (2 of 4 cells searched "
+          f"again) {third.device_s:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

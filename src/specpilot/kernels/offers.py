@@ -18,7 +18,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 
 def source_hash(source: str) -> str:
@@ -26,22 +26,10 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-class OfferLike(Protocol):
-    @property
-    def slot(self) -> str: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def source_hash(self) -> str: ...
-    @property
-    def entry(self) -> str: ...
-    @property
-    def row(self) -> int: ...
-
-
 @dataclass(frozen=True, slots=True)
 class OfferRef:
-    """Which stored kernel: the memory's row, its slot, device key, source hash and entry."""
+    """Which stored kernel: the memory's row, its slot, device key, source hash and entry (the
+    one definition of these fields: ``tune/kernel_agent.KernelOffer`` extends it)."""
 
     slot: str
     device: str
@@ -96,7 +84,7 @@ class KernelOffers:
         return fns, notes
 
 
-def load_offer(store: Any, offer: OfferLike, folder: Path) -> Callable[..., Any]:
+def load_offer(store: Any, offer: OfferRef, folder: Path) -> Callable[..., Any]:
     """The offer's entry function, imported from the source ``store`` (a ``MemoryStore``) holds
     as accepted (its hash checked again); ``folder`` keeps the module file (Triton reads a
     kernel's source)."""
@@ -120,4 +108,4 @@ def load_offer(store: Any, offer: OfferLike, folder: Path) -> Callable[..., Any]
     return fn
 
 
-__all__ = ["KernelOffers", "OfferLike", "OfferRef", "load_offer", "source_hash"]
+__all__ = ["KernelOffers", "OfferRef", "load_offer", "source_hash"]

@@ -48,16 +48,11 @@ class KernelOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class KernelOffer:
+class KernelOffer(OfferRef):
     """An accepted kernel that beat the current one at some shapes on this device."""
 
-    slot: str
-    device: str
-    source_hash: str
-    entry: str
     faster_at: list[dict[str, int]]
     timings: list[dict[str, Any]]
-    row: int
 
     def ref(self) -> OfferRef:
         return OfferRef(self.slot, self.device, self.source_hash, self.entry, self.row)
@@ -159,8 +154,8 @@ def offers(store: MemoryStore, slot: str, device_key: str) -> list[KernelOffer]:
     for r in store.kernels(slot=slot, device=device_key, accepted=True):
         if r.verdict.get("faster_at"):
             out.append(KernelOffer(
-                r.slot, r.device, r.source_hash, r.entry, r.verdict["faster_at"],
-                r.verdict.get("timings", []), r.id,
+                r.slot, r.device, r.source_hash, r.entry, r.id, r.verdict["faster_at"],
+                r.verdict.get("timings", []),
             ))  # fmt: skip
     return out
 

@@ -15,6 +15,7 @@ in-process check every tiling passes runs on it too before it is timed.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -36,7 +37,7 @@ MAX_OFFERS = 4
 
 
 def recheck_offers(
-    offers: Sequence[Any],
+    offers: Sequence[OfferRef],
     store: Any,
     weight: Tensor,  # [N, K] bf16: the shape's first matrix
     widths: Sequence[int],
@@ -45,7 +46,7 @@ def recheck_offers(
     notes: list[str],
     folder: Path,
 ) -> dict[str, Callable[..., Tensor]]:
-    """Source hash -> entry function of each offer (``tune/kernel_agent.KernelOffer``) that
+    """Source hash -> entry function of each offer (an ``OfferRef``: a memory row) that
     passed the sandbox at ``[N, K]`` and every width; one note per offer that did not or was
     not tried (the budget)."""
     from specpilot.kernels.offers import load_offer
@@ -87,25 +88,33 @@ def recheck_offers(
     return fns
 
 
+def weight_digest(weight: Tensor) -> str:
+    """16 hex digits of the SHA-256 of a weight's bytes: which real weight a re-check ran on."""
+    data = weight.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 class OfferCandidates:
     """The search's agent candidates: per weight shape the offers that passed their re-check
-    (re-checked once, on the shape's first searched cell), and the cells they won."""
+    (each re-checked once per shape, on the shape's first cell that needs it), and the cells
+    they won. An offer is keyed by ``(source hash, memory row)``."""
 
     def __init__(
-        self, offers: Sequence[Any], store: Any, device: torch.device, widths: Sequence[int],
-        notes: list[str],
+        self, offers: Sequence[OfferRef], store: Any, device: torch.device,
+        widths: Sequence[int], notes: list[str],
     ) -> None:  # fmt: skip
         self.offers, self.store, self.device, self.widths = list(offers), store, device, widths
         self.notes = notes
         self.refs = {o.source_hash: OfferRef(o.slot, o.device, o.source_hash, o.entry, o.row) for o in self.offers}  # fmt: skip
         self.won: dict[tuple[int, int, int], OfferRef] = {}
-        self._fns: dict[tuple[int, int], dict[str, Callable[..., Tensor]]] = {}
+        self._fns: dict[tuple[int, int], dict[tuple[str, int], Callable[..., Tensor] | None]] = {}
+        self._digests: dict[tuple[int, int], str] = {}
         base = store.path.parent if store is not None else Path(tempfile.gettempdir())
         self.folder = base / "kernels"  # load_offer names the modules by source hash
 
     @classmethod
     def make(
-        cls, offers: Sequence[Any] | None, store: Any, device_key: str, device: torch.device,
+        cls, offers: Sequence[OfferRef] | None, store: Any, device_key: str, device: torch.device,
         widths: Sequence[int], notes: list[str],
     ) -> OfferCandidates:  # fmt: skip
         """``offers``, or (None) those ``store`` holds as accepted for this GPU."""
@@ -115,18 +124,56 @@ class OfferCandidates:
             offers = stored(store, SLOT, device_key) if store is not None else []
         return cls(offers, store, device, widths, notes)
 
+    def _recheck(
+        self, weight: Tensor, offers: Sequence[OfferRef], seconds_left: Callable[[], float]
+    ) -> dict[tuple[str, int], Callable[..., Tensor] | None]:
+        """This shape's verdicts, ``offers`` not yet judged here re-checked in the sandbox."""
+        done = self._fns.setdefault(_shape(weight), {})
+        todo = [o for o in offers if (o.source_hash, o.row) not in done]
+        if todo:
+            got = recheck_offers(todo, self.store, weight, self.widths, self.device,
+                                 seconds_left, self.notes, self.folder)  # fmt: skip
+            done.update({(o.source_hash, o.row): got.get(o.source_hash) for o in todo})
+        return done
+
     def for_shape(
         self, weight: Tensor, seconds_left: Callable[[], float]
     ) -> dict[str, Callable[..., Tensor]]:
         """Source hash -> entry of the offers that passed at this weight's shape."""
-        shape = (int(weight.shape[0]), int(weight.shape[1]))
-        if shape not in self._fns:
-            self._fns[shape] = (
-                recheck_offers(self.offers, self.store, weight, self.widths, self.device,
-                               seconds_left, self.notes, self.folder)
-                if self.offers else {}
-            )  # fmt: skip
-        return self._fns[shape]
+        done = self._recheck(weight, self.offers, seconds_left)
+        return {h: fn for (h, _), fn in done.items() if fn is not None}
+
+    def stored(
+        self, weight: Tensor, ref: OfferRef, record: Any, seconds_left: Callable[[], float]
+    ) -> Callable[..., Tensor] | None:
+        """The entry of the offer a cell of this shape stored as its winner, or None (a note
+        says why). Re-checked in the sandbox at this shape and every width, unless ``record``
+        (the memory's :meth:`check_record` of the search that chose it) says it passed that
+        very check, at these widths on this very weight: the sandbox's verdict is a function
+        of the source, the shapes and the weights, so the stored one stands (the source is
+        still loaded only if the memory holds it as accepted, its hash checked again)."""
+        from specpilot.kernels.offers import load_offer
+
+        key, done = (ref.source_hash, ref.row), self._fns.setdefault(_shape(weight), {})
+        self.refs.setdefault(ref.source_hash, ref)
+        if key not in done and record == self.check_record(weight, ref.source_hash):
+            n, k = _shape(weight)
+            try:
+                done[key] = load_offer(self.store, ref, self.folder)
+                self.notes.append(f"offer {ref.source_hash}: passed its re-check at {n}x{k} (widths {', '.join(map(str, sorted(set(self.widths))))}, this weight) in an earlier search; not run again")  # fmt: skip
+            except ValueError as e:
+                self.notes.append(f"offer {ref.source_hash}: {e}")
+                done[key] = None
+        return self._recheck(weight, [ref], seconds_left)[key]
+
+    def check_record(self, weight: Tensor, source_hash: str) -> dict[str, Any]:
+        """What an offer's pass at this shape was checked on: the source, the widths and the
+        real weight (stored beside a cell it wins)."""
+        shape = _shape(weight)
+        if shape not in self._digests:
+            self._digests[shape] = weight_digest(weight)
+        widths = sorted(set(self.widths))
+        return {"source_hash": source_hash, "widths": widths, "weight": self._digests[shape]}
 
     def ref_json(self, source_hash: str | None) -> dict[str, Any] | None:
         return asdict(self.refs[source_hash]) if source_hash else None
@@ -142,4 +189,15 @@ class OfferCandidates:
         return KernelOffers(str(self.store.path) if self.store is not None else "", dict(self.won))
 
 
-__all__ = ["MAX_OFFERS", "SANDBOX_PRIOR_S", "SLOT", "OfferCandidates", "recheck_offers"]
+def _shape(weight: Tensor) -> tuple[int, int]:
+    return int(weight.shape[0]), int(weight.shape[1])
+
+
+__all__ = [
+    "MAX_OFFERS",
+    "SANDBOX_PRIOR_S",
+    "SLOT",
+    "OfferCandidates",
+    "recheck_offers",
+    "weight_digest",
+]

@@ -16,13 +16,20 @@ For each decoder weight shape of the target (``[N, K]``) and each width the engi
    what is left; Triton keeps compiled kernels on disk, so a later process compiles nothing;
 4. stores each winner in the memory under the GPU's fingerprint (``memory.fingerprint.
    gpu_fingerprint``: name, SMs, memory clock and bus, driver, torch, triton), shape and width. A
-   later tune on the same GPU reads them back and only re-times each winner against cuBLAS once
-   (a few percent of the first search's kernel seconds).
+   later tune on the same GPU reads them back, checks each again and only re-times it once next
+   to cuBLAS (a few percent of the first search's kernel seconds); a winner that fails its check
+   is searched again.
 
 The memory's accepted agent kernels for the ``w12-gemm`` slot on this GPU are candidates too,
 re-checked in the sandbox at the target's shapes before they run here, then checked and timed
 like a tiling (``tune/kernel_offer_check.py``); a cell one wins names it by source hash, and the
-engine loads it from the memory there (``kernels/offers.py``), its tiling the fallback.
+engine loads it from the memory there (``kernels/offers.py``), its tiling the fallback. A stored
+offer winner is reused like a tiling once re-checked: the sandbox runs again unless the memory
+holds its pass at this shape and these widths on this very weight (``offer_check``); only a
+source the memory still holds as accepted is loaded.
+
+The measuring tools (the check, the CUDA-graph timer, the compile budget, the rows) are in
+``tune/kernel_measure.py``.
 
 The table it returns (``MmaTilings``) goes into the tuned engine config (``EngineConfig.kernels``),
 so ``generate``, ``bench``, ``compare`` and ``serve`` run the measured tilings. The hand-measured
@@ -34,7 +41,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Any
 
@@ -43,8 +50,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specpilot.kernels.w12_tilings import DEFAULT_TILINGS, MmaConfig, MmaTilings, bucket
+from specpilot.tune.kernel_measure import (
+    KERNEL,
+    CompileBudget,
+    KernelSearch,
+    SearchRow,
+    check,
+    compile_key,
+    graph_time,
+)
 
-KERNEL = "w12_mma"
 CANDIDATES = (
     MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=3),
     MmaConfig(block_r=64, block_k=256, num_warps=4, num_stages=4),
@@ -59,152 +74,6 @@ CANDIDATES = (
 SPLITS = (1, 2, 3, 4, 6, 8)
 STREAMS = (1, 2, 3, 4)
 """Programs per SM tried around a stream-K tiling (no new compile: only the grid changes)."""
-COMPILE_PRIOR_S = 6.0
-"""Seconds one new compile is assumed to take before this search has timed one."""
-RUN_S = 0.4
-"""Seconds one candidate's check and timing take once compiled (a few graphs of ~1 ms)."""
-
-
-@dataclass(slots=True)
-class SearchRow:
-    """One (shape, width): what was chosen and what it measured (microseconds)."""
-
-    shape: tuple[int, int]
-    width: int
-    config: MmaConfig
-    us: float
-    default_us: float
-    cublas_us: float
-    tried: int = 0
-    skipped: int = 0
-    device_s: float = 0.0
-    reused: bool = False
-    offer: str | None = None
-    """The source hash of the agent kernel that won the cell (``config``: its fallback)."""
-
-    def winner(self) -> str:
-        c = self.config
-        tiling = f"r{c.block_r} k{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
-        return f"agent offer {self.offer} (else {tiling})" if self.offer else tiling
-
-    def to_dict(self) -> dict[str, Any]:
-        kernel = f"offer {self.offer}" if self.offer else "tiling"
-        return {**asdict(self), "kernel": kernel, "speedup_vs_default": self.default_us / self.us}
-
-    def line(self) -> str:
-        how = "reused from memory" if self.reused else f"{self.tried} tried, {self.skipped} skipped"
-        return (
-            f"  {self.shape[0]}x{self.shape[1]} M<={self.width}: {self.winner()}  {self.us:.1f} us, "
-            f"x{self.default_us / self.us:.2f} the default, x{self.cublas_us / self.us:.2f} "
-            f"cuBLAS ({how}; {self.device_s:.1f} device-s)"
-        )
-
-
-@dataclass(slots=True)
-class KernelSearch:
-    """The search's table and its price."""
-
-    tilings: MmaTilings
-    offers: Any = None
-    """The cells an agent kernel won (``kernels/offers.KernelOffers``; None: none did)."""
-    rows: list[SearchRow] = field(default_factory=list)
-    device_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    gpu: dict[str, str] = field(default_factory=dict)
-
-    def lines(self) -> list[str]:
-        head = (
-            f"kernel search ({KERNEL}) on {self.gpu.get('name', '?')} [{self.gpu.get('key', '?')}]: "
-            f"{len(self.rows)} shape x width cells, {self.device_s:.1f} device-s"
-        )
-        return [head, *(r.line() for r in self.rows), *(f"  {n}" for n in self.notes)]
-
-    def to_dict(self) -> dict[str, Any]:
-        """run.json's ``search.kernel_search``: per cell the winner, its speed and price."""
-        cells = [r.to_dict() for r in self.rows]
-        return {"kernel": KERNEL, "gpu": self.gpu, "device_s": self.device_s, "cells": cells, "notes": self.notes}  # fmt: skip
-
-
-class CompileBudget:
-    """Seconds left for the search and the running estimate of one new compile."""
-
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock
-        self.deadline = clock() + seconds
-        self.compiles: list[float] = []
-        self.compiled: set[tuple[Any, ...]] = set()
-
-    def left(self) -> float:
-        return self.deadline - self.clock()
-
-    def estimate(self, key: tuple[Any, ...]) -> float:
-        """Seconds a candidate with compile key ``key`` is expected to take."""
-        if key in self.compiled:
-            return RUN_S
-        mean = statistics.mean(self.compiles) if self.compiles else COMPILE_PRIOR_S
-        return mean + RUN_S
-
-    def fits(self, key: tuple[Any, ...]) -> bool:
-        return self.estimate(key) <= self.left()
-
-    def compiled_now(self, key: tuple[Any, ...], seconds: float) -> None:
-        if key not in self.compiled:
-            self.compiled.add(key)
-            self.compiles.append(max(0.0, seconds - RUN_S))
-
-
-def compile_key(cfg: MmaConfig, m: int, base: int) -> tuple[Any, ...]:
-    """What a new Triton compile depends on (the kernel's constexprs; K splits are runtime)."""
-    return (cfg.block_r, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tokens(m), base,
-            cfg.stream_k > 0)  # fmt: skip
-
-
-def graph_time(calls: Sequence[Callable[[], Any]], device: torch.device, reps: int = 4) -> float:
-    """Seconds per call of ``calls`` run round-robin ``reps`` times inside one CUDA graph."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            for c in calls:
-                c()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 1e3 / (3 * reps * len(calls))
-
-
-def check(
-    cfg: MmaConfig | Callable[..., Tensor], w: Tensor, t: Any, counters: Tensor, m: int
-) -> str | None:
-    """None if ``cfg`` (a tiling, or an agent kernel of the ``w12-gemm`` slot's signature)
-    computes the reference on ``w`` (bf16 ``[N, K]``, W12 ``t``); else why not."""
-    from specpilot.kernels.w12_mma import w12_mma
-
-    kernel = cfg if callable(cfg) else partial(w12_mma, cfg=cfg)
-
-    k = w.shape[1]
-    cols = torch.arange(min(16, k), device=w.device)
-    eye = torch.zeros(len(cols), k, dtype=torch.bfloat16, device=w.device)
-    eye[torch.arange(len(cols), device=w.device), cols] = 1.0
-    y = kernel(eye, t, counters)
-    finite = bool(w[:, cols].float().isfinite().all())
-    if finite and not torch.equal(y.view(torch.int16), w[:, cols].T.contiguous().view(torch.int16)):
-        return "one-hot probe: the decoded weights differ from the checkpoint's"
-    x = torch.randn(m, k, device=w.device, generator=torch.Generator(w.device).manual_seed(m))
-    x = x.to(torch.bfloat16)
-    y = kernel(x, t, counters).double()
-    z = x.double() @ w.double().T
-    bound = 2.0**-8 * z.abs() + k * 2.0**-23 * (x.double().abs() @ w.double().abs().T) + 2.0**-133
-    ok = z.isfinite()
-    if not bool(((y - z).abs()[ok] <= bound[ok]).all()):
-        return "outside the fp32-reordering bound against the fp64 product"
-    return None
 
 
 def split_variants(
@@ -295,6 +164,50 @@ def _search_cell(
     return SearchRow((n, k), bucket(m), tiling, med["best"], med["default"], med["cublas"], tried, skipped, offer=offer)  # fmt: skip
 
 
+def _reuse_cell(
+    hit: dict[str, Any], weights: list[Tensor], w12s: list[Any], counters: list[Tensor], m: int,
+    device: torch.device, agents: Any, seconds_left: Callable[[], float], notes: list[str],
+) -> SearchRow | None:  # fmt: skip
+    """A cell's stored winner (``hit``: the memory's tiling, or an agent offer with its tiling
+    as the fallback) checked again and re-timed once next to cuBLAS (an offer next to the
+    default too; a tiling keeps the default time the search stored); None (a note says why) when
+    it fails: the cell is searched again. An offer is re-checked first
+    (``OfferCandidates.stored``: the sandbox, unless the memory holds its pass on this weight)."""
+    from specpilot.kernels.offers import OfferRef
+    from specpilot.kernels.w12_mma import w12_mma
+
+    n, k = weights[0].shape
+    cfg, stored = MmaConfig(**hit["config"]), hit["metrics"].get("offer")
+    ref = OfferRef(**stored) if stored else None
+    default = DEFAULT_TILINGS.config(m, n, k)
+    fn: Callable[..., Tensor] | None = partial(w12_mma, cfg=cfg)
+    cs, what = counters, "tiling"
+    if ref is not None:
+        what = f"winner, agent offer {ref.source_hash},"
+        fn = agents.stored(weights[0], ref, hit["metrics"].get("offer_check"), seconds_left)
+        cs = [torch.zeros_like(c) for c in counters]  # the agent kernel's own counters
+    if fn is None:
+        notes.append(f"{n}x{k} M<={m}: the stored {what} did not pass its re-check (above); searching again")  # fmt: skip
+        return None
+    try:
+        why = check(fn, weights[0], w12s[0], cs[0], m)
+    except Exception as e:  # an agent kernel that raises here is searched again, never fatal
+        if ref is None:
+            raise
+        why = f"{type(e).__name__}: {e}"[:200]
+    if why is not None:
+        notes.append(f"{n}x{k} M<={m}: the stored {what} failed its check ({why}); searching again")  # fmt: skip
+        return None
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    us = 1e6 * graph_time([partial(fn, x, t, c) for t, c in zip(w12s, cs, strict=True)], device)
+    dus = hit["metrics"].get("default_us", us)  # a tiling: the first search's default time
+    if ref is not None:  # foreign code: timed beside the default again (one graph, a kernel load)
+        dus = 1e6 * graph_time([partial(w12_mma, x, t, c, cfg=default) for t, c in zip(w12s, counters, strict=True)], device)  # fmt: skip
+    cub = 1e6 * graph_time([partial(F.linear, x, w) for w in weights], device)
+    offer = ref.source_hash if ref is not None else None
+    return SearchRow((n, k), m, cfg, us, dus, cub, reused=True, offer=offer)
+
+
 def search_w12_mma(
     matrices: dict[tuple[int, int], list[Tensor]],
     widths: Sequence[int],
@@ -330,24 +243,13 @@ def search_w12_mma(
         for m in buckets:
             t0 = time.perf_counter()
             hit = known.get((n, k, m))
-            if hit is not None and hit["metrics"].get("offer"):  # an agent kernel: check again
-                result.notes.append(f"{n}x{k} M<={m}: the stored winner is agent offer {hit['metrics']['offer']['source_hash']}; searching again (it is re-checked first)")  # fmt: skip
-                hit = None
-            if hit is not None:  # re-time the stored winner against cuBLAS once
-                cfg = MmaConfig(**hit["config"])
-                x = torch.randn(m, k, device=device).to(torch.bfloat16)
-                why = check(cfg, ws[0], w12s[0], counters[0], m)
-                if why is None:
-                    from specpilot.kernels.w12_mma import w12_mma
-
-                    us = 1e6 * graph_time([partial(w12_mma, x, t, c, cfg=cfg) for t, c in zip(w12s, counters, strict=True)], device)  # fmt: skip
-                    cub = 1e6 * graph_time([partial(F.linear, x, w) for w in ws], device)
-                    row = SearchRow((n, k), m, cfg, us, hit["metrics"].get("default_us", us), cub,
-                                    reused=True, device_s=time.perf_counter() - t0)  # fmt: skip
-                    result.rows.append(row)
-                    by_shape[(n, k, m)] = cfg
-                    continue
-                result.notes.append(f"{n}x{k} M<={m}: the stored tiling failed its check ({why}); searching again")  # fmt: skip
+            row = None if hit is None else _reuse_cell(hit, ws, w12s, counters, m, device, agents, budget.left, result.notes)  # fmt: skip
+            if row is not None:  # the stored winner, checked and re-timed once
+                row.device_s = time.perf_counter() - t0
+                result.rows.append(row)
+                by_shape[(n, k, m)] = row.config
+                agents.chosen((n, k, m), row.offer)
+                continue
             if budget.left() < budget.estimate(compile_key(DEFAULT_TILINGS.config(m, n, k), m, w12s[0].base)):  # fmt: skip
                 result.notes.append(f"{n}x{k} M<={m}: not searched, {budget.left():.0f}s of the kernel budget left (the default stays)")  # fmt: skip
                 continue
@@ -362,7 +264,8 @@ def search_w12_mma(
                                  {"us": row.us, "default_us": row.default_us,
                                   "cublas_us": row.cublas_us, "device_s": row.device_s,
                                   "tried": row.tried, "skipped": row.skipped,
-                                  "offer": agents.ref_json(row.offer)})  # fmt: skip
+                                  "offer": agents.ref_json(row.offer),
+                                  "offer_check": agents.check_record(ws[0], row.offer) if row.offer else None})  # fmt: skip
             log(row.line())
     result.tilings = MmaTilings(by_shape=by_shape, source=f"search {gpu['key']}")
     result.offers = agents.result()
