@@ -140,6 +140,25 @@ def test_tree_verify_is_seeded_with_the_measured_trees_on_cuda_only():
     )
 
 
+@pytest.mark.parametrize("kind", ["local", "tpe"])
+def test_w12_is_tried_at_the_verify_width_right_after_its_defaults(kind):
+    """W12's default serves width 1 only (max_m 1): a drafting deployment also measures the
+    tensor-core kernel at k + 1 rows, the width its verify runs at (the 2026-12-05 tunes on the
+    H200 tried max_m 1 and 2 only, with k 15 and 7)."""
+    if kind == "tpe":
+        pytest.importorskip("optuna")
+    dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16")
+    for k, width in ((15, 16), (7, 8), (80, 64)):
+        base = EngineConfig(deployment=dep, k=k)
+        w12 = next(d for d in directions_for(base, "cuda", "llama") if d.name == "mechanism:w12")
+        first = make_explorer(w12, 0, kind).propose(base, 2)
+        knobs = [p.config.mechanisms["w12"] for p in first]
+        assert [(c["kernel"], c["max_m"]) for c in knobs] == [("table", 1), ("mma", width)]
+    ar = EngineConfig(deployment=DeploymentSpec(target="t", drafter="none", dtype="bf16"), k=0)
+    w12 = next(d for d in directions_for(ar, "cuda", "llama") if d.name == "mechanism:w12")
+    assert w12.seeds == ()  # plain AR runs width 1: the default is its width
+
+
 def test_a_seed_with_an_unknown_knob_is_refused_at_registration():
     from specpilot.mechanisms.registry import Mechanism
 

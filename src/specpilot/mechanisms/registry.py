@@ -136,6 +136,10 @@ class Mechanism:
     """Per device type, knob settings (the rest at their defaults) the tuner tries right after
     the defaults: points a measurement on that device found better than the defaults, so that a
     short search reaches them (e.g. the 48-node tree on the H200)."""
+    width_seed: Callable[[int], Mapping[str, Any]] | None = None
+    """Knob settings for a deployment that verifies ``width`` rows per cycle (``k + 1``), tried
+    right after the defaults and the seeds: a kernel mechanism whose default serves width 1
+    only (W12's ``max_m`` 1) is then also measured at the width the engine verifies at."""
     joint_k: bool = False
     """The tuner searches the draft length with its knobs (where the deployment drafts): a
     mechanism that changes what a verify costs moves the best ``k`` (e.g. gguf-blocks on the

@@ -236,6 +236,7 @@ MECHANISM = Mechanism(
         ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16")),
+    width_seed=lambda width: {"kernel": "mma", "max_m": min(width, 64)},
     summary="lossless ~12-bit weights (sign+mantissa+4-bit exponent code), decoded in the GEMM",
 )
 

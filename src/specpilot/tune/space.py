@@ -131,6 +131,8 @@ def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Directio
     mech = MECHANISMS[name]
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
     joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
+    if mech.width_seed is not None and base.deployment.drafter != "none" and base.k > 0:
+        seeds += (mech.resolve_knobs(mech.width_seed(base.k + 1)),)
     params = mech.knobs + ((Knob("k", min(base.k, 16), low=1, high=16),) if joint else ())
 
     def derive(cfg: EngineConfig, p: dict[str, Any]) -> EngineConfig:
