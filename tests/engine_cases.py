@@ -27,16 +27,19 @@ from specpilot.engine.plans import ChainPlan, PackedPlan, TreePlan
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees
 from specpilot.engine.view import VerifyPlan
 from specpilot.engine.widths import RowBlockLength, TieredBudget
+from specpilot.mechanisms import MECHANISMS
 from specpilot.mechanisms.adaptive_block import AdaptiveBlock
 from specpilot.mechanisms.fp8_copy import fp8_model
 from specpilot.mechanisms.fp8_prefilter import Fp8Prefilter
 from specpilot.mechanisms.int8_copy import cheap_model
+from specpilot.mechanisms.parts import EngineParts
 from specpilot.mechanisms.two_level import TwoLevelDrafter
 from specpilot.mechanisms.two_level_device import DeviceTwoLevelDrafter
 from specpilot.models.dflash import DFlashNet, spec_for_target
 from specpilot.models.eagle3 import Eagle3Net
 from specpilot.models.eagle3 import spec_for_target as eagle3_spec
 from specpilot.models.transformer import Transformer
+from specpilot.runtime import LoadedModel
 from specpilot.synthetic import init_random_on_device
 
 CONFIGS = [
@@ -109,6 +112,15 @@ def block_drafter(target: Transformer, block: int = 6, seed: int = 3) -> BlockDr
     """A one-layer block drafter with seeded random weights (a real, low-acceptance drafter)."""
     drafter = BlockDrafter(target, num_layers=1, block=block, num_context_layers=2)
     init_random_on_device(drafter.weights, seed)
+    return drafter
+
+
+def int8_drafter(target: Transformer, drafter: Drafter) -> Drafter:
+    """``drafter`` with the ``int8-drafter`` mechanism applied (its matrices and drafting head
+    from an INT8 copy), as the composition root applies it."""
+    mech = MECHANISMS["int8-drafter"]
+    parts = EngineParts(target=LoadedModel("t", target, None), draft_model=None, drafter=drafter)
+    mech.apply(parts, mech.resolve_knobs({}))
     return drafter
 
 
@@ -267,6 +279,16 @@ CASES: dict[str, Case] = {
             simulated(t, r, 7, p_sibling=0.5, heterogeneous=True),
             TreePlan(ragged_trees(r, 6), bucket=4),
         )
+    ),
+    # the drafter's own weights and drafting head from an INT8 copy (drafts only)
+    "int8-drafter(block)/chain": _case(
+        lambda t, o, r: (int8_drafter(t, block_drafter(t, r.randint(2, 9))), None)
+    ),
+    "int8-drafter(dflash)/chain": _case(
+        lambda t, o, r: (int8_drafter(t, dflash_drafter(t, r)), None)
+    ),
+    "int8-drafter(draft)/packed": _case(
+        lambda t, o, r: (int8_drafter(t, DraftModelDrafter(o, k=_k(r))), PackedPlan())
     ),
     # host wrappers: two-level correction (INT8 copy) and the FP8 pre-filter
     "two-level(ngram)/chain": _case(

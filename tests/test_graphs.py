@@ -313,6 +313,7 @@ CUDA_CASES = [
     "sim/chain",
     "sim/packed+row-block-len",
     "sim/ragged-trees",
+    "int8-drafter(block)/chain",
 ]
 
 

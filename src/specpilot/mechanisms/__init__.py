@@ -12,6 +12,7 @@ from specpilot.mechanisms.exact_argmax import MECHANISM as EXACT_ARGMAX
 from specpilot.mechanisms.fp8_prefilter import MECHANISM as FP8_PREFILTER
 from specpilot.mechanisms.fused_gemv import MECHANISM as FUSED_GEMV
 from specpilot.mechanisms.gguf_blocks import MECHANISM as GGUF_BLOCKS
+from specpilot.mechanisms.int8_drafter import MECHANISM as INT8_DRAFTER
 from specpilot.mechanisms.l2_prefetch import MECHANISM as L2_PREFETCH
 from specpilot.mechanisms.ragged_verify import MECHANISM as RAGGED_VERIFY
 from specpilot.mechanisms.registry import (
@@ -44,6 +45,7 @@ _ALL: tuple[Mechanism, ...] = (
     SPLIT_KV,
     FUSED_GEMV,
     GGUF_BLOCKS,
+    INT8_DRAFTER,
 )
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in _ALL}

@@ -37,6 +37,7 @@ PLUG_POINTS = (
     "lm_head_argmax",  # how the argmax over the vocabulary is obtained
     "verify_strategy",  # chain or tree verification
     "drafter_schedule",  # how many tokens to draft, and when
+    "drafter_weights",  # the format and kernels of the drafter's own matrices (drafts only)
     "kernel_choice",  # kernels and layouts with identical results per token
     "runtime",  # launch overhead: CUDA graphs, compilation
     "layer_phases",  # work between the layer body's steps that changes no value (L2 prefetch)

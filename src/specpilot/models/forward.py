@@ -91,6 +91,10 @@ class Forward(AttentionSteps, Generic[NetT]):
         # CPU the stock order is kept, so fp32 results track the stock path exactly.
         cuda = model.device.type == "cuda"
         self.fuse_residual = cuda if fuse_residual is None else fuse_residual
+        self.head_fn: Callable[[Tensor], Tensor] | None = None
+        """This forward's own LM head (``[M, hidden] -> [M, vocab]``), before the model's
+        ``lm_head_fn``: a drafter's approximate head (``mechanisms/int8_drafter.py``) that the
+        target's forward, sharing the model, never sees."""
 
     # ------------------------------------------------------------------ pieces
     def norm(self, x: Tensor, weight: Tensor) -> Tensor:  # [M, N] -> [M, N]
@@ -249,7 +253,7 @@ class Forward(AttentionSteps, Generic[NetT]):
     def logits_normed(self, h: Tensor) -> Tensor:  # final-normed [M, hidden] -> [M, vocab]
         """The LM head (the ``[in, out]`` copy for one row when the model keeps one)."""
         m = self.model
-        fn = getattr(m, "lm_head_fn", None)
+        fn = self.head_fn or getattr(m, "lm_head_fn", None)
         if fn is not None:
             return fn(h)
         if m.lm_head_in_out is not None and h.shape[0] == 1:
