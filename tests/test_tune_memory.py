@@ -8,6 +8,7 @@ tune out of memory on an H100 (2026-12-05) when the previous chunk's engines wer
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -65,10 +66,12 @@ def test_room_for_counts_a_target_copy_only_for_candidates_with_mechanisms(
     free = {"bytes": 0}
     monkeypatch.setattr(evaluator, "device", torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 << 20)  # cached,
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)  # 2 MiB free
     plain = EngineConfig(deployment=evaluator.base.deployment, k=2)
     mech = EngineConfig(deployment=evaluator.base.deployment, k=2, mechanisms={"w12": {}})
     assert evaluator._room_for(plain)  # shares the stock target
-    free["bytes"] = int(1.25 * size) + (2 << 30) - 1
+    free["bytes"] = math.ceil(1.25 * size) + (2 << 30) - (2 << 20) - 1  # with the cache's 2 MiB
     assert not evaluator._room_for(mech)
     free["bytes"] += 1
     assert evaluator._room_for(mech)

@@ -294,7 +294,8 @@ class Evaluator:
         modify the model) with a quarter more for its caches and graphs, plus 2 GiB."""
         if self.device.type != "cuda" or not config.mechanisms:
             return True
-        free, _ = torch.cuda.mem_get_info(self.device)
+        free, _ = torch.cuda.mem_get_info(self.device)  # the driver's, less what torch caches
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free >= 1.25 * self.target_bytes + (2 << 30)
 
     def _measure(self, cands: list[_Candidate]) -> list[TrialResult]:
