@@ -31,6 +31,8 @@ def test_the_drafter_runs_its_int8_copy_and_the_target_runs_its_own_weights(monk
     assert getattr(target, "lm_head_fn", None) is None
     assert set(drafter.fwd.layers[0].linear_fns) == {"w_qkv", "w_o", "w_gate_up", "w_down"}
     assert drafter.fwd.head_fn is not None
+    with pytest.raises(SpecPilotError, match="already have a kernel"):
+        int8_drafter(target, drafter)  # twice: refused, nothing replaced
 
     calls: list[tuple[int, int]] = []  # (rows, out features) of every INT8 call
     real = Int8Linear.__call__

@@ -60,18 +60,19 @@ def _apply(parts: EngineParts, knobs: Mapping[str, Any]) -> None:
             "int8-drafter: the drafter runs the target's own layers (an early-exit draft model); "
             "an INT8 copy there would change the target's forward."
         )
+    taken = sorted({n for layer in fwd.layers for n in set(MATRICES) & set(layer.linear_fns)})
+    if taken or fwd.head_fn is not None:
+        raise SpecPilotError(
+            f"int8-drafter: {taken or 'the head'} already have a kernel installed."
+        )
     max_m = int(knobs["max_m"])
     copied = 0
     for layer in fwd.layers:
-        taken = set(MATRICES) & set(layer.linear_fns)
-        if taken:
-            raise SpecPilotError(f"int8-drafter: {sorted(taken)} already have a kernel installed.")
         for name in MATRICES:
             layer.linear_fns[name] = Int8Linear(getattr(layer, name), max_m)
             copied += 1
-    if knobs["head"]:
-        head = Int8Linear(fwd.model.lm_head, max_m)
-        fwd.head_fn = lambda h: head(h)  # [M, hidden] -> [M, vocab]: the drafter's Forward only
+    if knobs["head"]:  # [M, hidden] -> [M, vocab], on the drafter's Forward only
+        fwd.head_fn = Int8Linear(fwd.model.lm_head, max_m)
     parts.notes.append(
         f"int8-drafter: {copied} drafter matrices{' and its LM head' if knobs['head'] else ''}"
     )
