@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,14 @@ def parse_device(name: str) -> torch.device:
                 f"(cuda:0 to cuda:{count - 1})."
             )
     return dev
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Give back what dropped objects held: collect their reference cycles (engines, runners,
+    CUDA graphs), then return the cached blocks to the device."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def check_dtype_on_device(dtype: torch.dtype, device: torch.device) -> None:

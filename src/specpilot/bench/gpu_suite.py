@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import platform
 import random
@@ -33,6 +32,7 @@ from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile, Simulated
 from specpilot.engine import CycleTimes, Engine, generate
 from specpilot.forcing import force_tokens
 from specpilot.models.transformer import Transformer
+from specpilot.runtime import free_device_memory
 from specpilot.synthetic import (
     DRAFT_MODEL_FOR_TARGET,
     TARGET_SHAPES,
@@ -353,9 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "traceback": traceback.format_exc()[-3000:],
             }
             print(results["shapes"][name]["traceback"], flush=True)
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(dev)
         (args.out / "results.json").write_text(json.dumps(results, indent=1))
         print(f"[suite] {name} done at {time.perf_counter() - start:.0f}s", flush=True)
     if not args.no_profile:  # last: a profiler session slows later eager launches (HF)

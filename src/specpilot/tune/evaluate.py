@@ -20,7 +20,6 @@ commits) by more than the noise — is measured again; if it persists the trial 
 from __future__ import annotations
 
 import functools
-import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,13 @@ from specpilot.engine import AcceptanceStats, Engine, GenerationResult, generate
 from specpilot.engine.build import build_engine
 from specpilot.engine.config import EngineConfig
 from specpilot.forcing import ForcingReport, force_tokens
-from specpilot.runtime import LoadedModel, load_model, parse_device, parse_dtype
+from specpilot.runtime import (
+    LoadedModel,
+    free_device_memory,
+    load_model,
+    parse_device,
+    parse_dtype,
+)
 from specpilot.tune.space import describe
 
 if TYPE_CHECKING:
@@ -369,14 +374,6 @@ class Evaluator:
 
     def _failed(self, config: EngineConfig, message: str, wall: float) -> TrialResult:
         return failed_trial(config, message, wall)
-
-
-def free_device_memory(device: torch.device) -> None:
-    """Give back what dropped engines held: collect their reference cycles (engine, runner,
-    CUDA graphs), then return the cached blocks to the device."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def failed_trial(
