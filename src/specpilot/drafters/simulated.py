@@ -16,8 +16,13 @@ runs are excluded from the engine's timed wall clock (``CycleTimes.excluded``). 
 Profiles: ``tau=6.5,block=16`` (τ = committed tokens per cycle **including the bonus**, drafts
 per cycle = block - 1, every position accepted with the same conditional rate α solving
 1 + α + … + α^k = τ) or ``rates=0.9,0.8,...`` (conditional rate per draft position; k = their
-count, or ``block - 1`` padded with the last rate). Accepted lengths are drawn by stratified
-sampling over windows of 64 cycles, so a run's mean lands on the profile's τ quickly.
+count, or ``block - 1`` padded with the last rate). Every draw is a Weyl sequence (``u_c =
+frac(o + c·a)``, ``o`` from the seed, ``a`` irrational) indexed by the wrapper's own cycle count,
+which runs on across ``Engine.open``: any stretch of consecutive cycles covers ``[0, 1)`` evenly,
+so a run of a few prompts lands on the profile's τ, and prompts do not replay one draw. (Until
+2026-12-05 the draws were stratified over windows of 64 cycles and indexed by the engine's cycle,
+which every ``open`` resets: every prompt replayed the window's first 15-30 cycles, and seed 0
+gave τ 6.79 for ``tau=6.5,block=16`` and 4.54 for ``rates=0.8,block=8`` against 4.16.)
 
 Heterogeneous batches: ``row_profiles`` gives row b the profile ``row_profiles[b % len]`` (its
 own schedule, seeded per row), so the rows of one batch accept at different rates, as requests of
@@ -41,14 +46,49 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from specpilot.drafters.base import Drafter, DraftRows, Segment, gateable
 
+if TYPE_CHECKING:
+    from specpilot.drafters.static_tree import StaticTree
+
 SIM_LABEL = "simulated acceptance"
-STRATUM = 64
+_PHI = (5**0.5 - 1) / 2
+"""The schedule's Weyl step (the golden ratio's fractional part: the most even coverage)."""
+
+
+def _steps(n: int) -> list[float]:
+    """``n`` Weyl steps ``frac(sqrt(p))`` over primes ``p != 5``: with ``_PHI`` (``sqrt(5)``) and 1
+    linearly independent over the rationals, so the draws of different positions and of the
+    schedule are jointly even, as independent draws would be."""
+    out: list[float] = []
+    p = 1
+    while len(out) < n:
+        p += 1
+        if p != 5 and all(p % q for q in range(2, int(p**0.5) + 1)):
+            out.append(p**0.5 % 1.0)
+    return out
+
+
+def weyl_hits(
+    rates: Tensor,  # [B, k] float64: P(hit) per row and position
+    cycles: int,
+    steps: Sequence[float],  # [k] Weyl step per position
+    seed: int,
+) -> Tensor:  # [B, cycles, k] bool
+    """Hit (u < rate) per row, cycle and position, ``u = frac(o + c·step)``, ``o`` from the seed."""
+    rng = random.Random(seed)
+    b, k = rates.shape
+    offsets = torch.tensor(
+        [[rng.random() for _ in range(k)] for _ in range(b)], dtype=torch.float64
+    )
+    c = torch.arange(cycles, dtype=torch.float64)[None, :, None]  # [1, S, 1]
+    u = torch.frac(offsets[:, None, :] + c * torch.tensor(steps, dtype=torch.float64))  # [B, S, k]
+    return u < rates[:, None, :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +120,18 @@ class AcceptanceProfile:
     def tau(self) -> float:
         """Expected committed tokens per cycle, bonus included."""
         return 1.0 + sum(self.survival())
+
+    def tree_tau(self, tree: StaticTree) -> float:
+        """Expected committed tokens per cycle (bonus included) of a static tree under this
+        profile: at depth d the rank-0 candidate is right with ``rates[d]``, rank 1 with
+        ``(1 - rates[d]) * p_sibling``, other ranks never, independently per depth; a node is
+        accepted when its whole path is right, so τ = 1 + the sum of the nodes' path products."""
+        path: list[float] = []
+        for par, dep, rank in zip(tree.parents, tree.depths, tree.ranks, strict=True):
+            r = self.rates[dep - 1] if dep <= self.k else 0.0
+            hit = r if rank == 0 else (1.0 - r) * self.p_sibling if rank == 1 else 0.0
+            path.append(hit * (path[par] if par >= 0 else 1.0))
+        return 1.0 + sum(path)
 
     @classmethod
     def parse(cls, text: str) -> AcceptanceProfile:
@@ -125,17 +177,11 @@ class AcceptanceProfile:
         return cls(tuple([(lo + hi) / 2] * k))
 
     def schedule(self, cycles: int, seed: int) -> list[int]:
-        """Accepted draft lengths for ``cycles`` cycles, stratified per window of 64."""
-        rng = random.Random(seed)
+        """Accepted draft lengths of cycles ``0 .. cycles - 1``: cycle c accepts draft i when
+        ``u_c < P(length >= i)``, ``u_c = frac(o + c·phi)`` (``o`` from the seed)."""
+        o = random.Random(seed).random()
         surv = self.survival()
-        out: list[int] = []
-        while len(out) < cycles:
-            strata = list(range(STRATUM))
-            rng.shuffle(strata)
-            for s in strata:
-                u = (s + rng.random()) / STRATUM
-                out.append(sum(1 for p in surv if u < p))
-        return out[:cycles]
+        return [sum(1 for p in surv if (o + c * _PHI) % 1.0 < p) for c in range(cycles)]
 
 
 class SimulatedAcceptance:
@@ -179,6 +225,7 @@ class SimulatedAcceptance:
         self._vocab = 1
         self._first_hit: Tensor | None = None  # [B, S, k] bool: rank 0 right past the miss
         self._sibling_hit: Tensor | None = None  # [B, S, k] bool: rank 1 right on a rank-0 miss
+        self._tick: Tensor | None = None  # [1] int64: cycles drafted since bind, across opens
 
     def bind(self, rows: DraftRows) -> None:
         self.inner.bind(rows)
@@ -195,15 +242,17 @@ class SimulatedAcceptance:
         dev = st.tokens.device
         self._schedule = torch.tensor(sched, dtype=torch.int64, device=dev)
         self._vocab = rows.target.cfg.vocab_size
-        gen = torch.Generator().manual_seed(self.seed + 7)
         profiles = self.row_profiles or (self.profile,)
         rates = torch.tensor(
             [list(profiles[b % len(profiles)].rates) for b in range(st.batch_size)],
-            dtype=torch.float32,
+            dtype=torch.float64,
         )  # [B, k]
-        shape = (st.batch_size, st.capacity, self.k)
-        self._first_hit = (torch.rand(shape, generator=gen) < rates[:, None, :]).to(dev)
-        self._sibling_hit = (torch.rand(shape, generator=gen) < self.p_sibling).to(dev)
+        steps = _steps(2 * self.k)
+        cap = st.capacity
+        self._first_hit = weyl_hits(rates, cap, steps[: self.k], self.seed + 7).to(dev)
+        sib = torch.full_like(rates, self.p_sibling)  # [B, k]
+        self._sibling_hit = weyl_hits(sib, cap, steps[self.k :], self.seed + 8).to(dev)
+        self._tick = torch.zeros(1, dtype=torch.int64, device=dev)
         self._host = [[-1] * st.capacity for _ in range(st.batch_size)]
         self._covered = [0] * st.batch_size
         self.divergences = 0
@@ -211,7 +260,7 @@ class SimulatedAcceptance:
 
     def prefill(self, rows: DraftRows, seg: Segment) -> None:
         """The inner drafter sees the segment; these rows' oracles are forgotten (``admitted``
-        computes them). Their acceptance schedules go on from the shared cycle counter."""
+        computes them). Their acceptance draws go on from the wrapper's cycle count."""
         self.inner.prefill(rows, seg)
         for row in range(seg.first_row, seg.first_row + seg.rows):
             self._host[row] = [-1] * len(self._host[row])
@@ -250,12 +299,21 @@ class SimulatedAcceptance:
     def attn_len(self, rows: DraftRows, max_committed: int) -> int:
         return self.inner.attn_len(rows, max_committed)
 
+    def _next_cycle(self, period: int) -> Tensor:  # [1] int64
+        """This cycle's index into the draws, then one step on (on the device: graph-safe). Not
+        the engine's cycle, which ``Engine.open`` resets: that replayed one stretch per prompt."""
+        tick = self._tick
+        assert tick is not None
+        cycle = tick % period
+        tick.add_(1)
+        return cycle
+
     def propose(self, rows: DraftRows, attn_len: int) -> None:
         self.inner.propose(rows, attn_len)  # the real compute; its proposal is then replaced
         st, oracle, sched = rows.state, self._oracle, self._schedule
         assert oracle is not None and sched is not None
         dev, k = oracle.device, self.k
-        cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
+        cycle = self._next_cycle(sched.shape[1])  # [1]
         miss_at = sched.index_select(1, cycle)  # [B, 1]
         pos = torch.arange(k, device=dev)[None, :]  # [1, k]
         idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
@@ -272,7 +330,7 @@ class SimulatedAcceptance:
         assert oracle is not None and sched is not None
         assert first is not None and sib is not None
         dev, k, r = oracle.device, self.k, out.shape[2]
-        cycle = st.cycle % sched.shape[1]  # [1] (wraps when rows are refilled)
+        cycle = self._next_cycle(sched.shape[1])  # [1]
         miss_at = sched.index_select(1, cycle)  # [B, 1]
         pos = torch.arange(k, device=dev)[None, :]  # [1, k]
         idx = (st.committed_len[:, None] + pos).clamp_(max=st.capacity - 1)  # [B, k]
@@ -294,6 +352,7 @@ class SimulatedAcceptance:
         if diverged:
             self.divergences += 1
         lens = rows.committed_lens()
-        short = any(lens[row] + self.k > self._covered[row] for row, _, _ in committed)
+        # the next cycle commits up to k drafts and the bonus: the oracle must reach past them
+        short = any(lens[row] + self.k + 1 > self._covered[row] for row, _, _ in committed)
         if diverged or short:
             self.reanchor(rows)
