@@ -26,6 +26,12 @@ CASES = (  # (M, N, K, config kwargs, bias)
     (3, 130, 320, {"block_r": 64, "block_k": 64, "num_warps": 4, "stream_k": 2}, True),
     (16, 256, 192, {"block_r": 128, "block_k": 64, "num_warps": 8, "stream_k": 3}, False),
     (40, 64, 256, {"block_r": 64, "block_k": 64, "num_warps": 4, "stream_k": 1}, True),
+    # two warp groups per row tile, each on half of every K step (inner_split)
+    (1, 64, 256, {"block_r": 64, "block_k": 128, "num_warps": 8, "inner_split": 2}, False),
+    (7, 130, 448, {"block_k": 128, "num_warps": 8, "inner_split": 2, "split_k": 2}, True),
+    (20, 64, 384, {"block_k": 256, "num_warps": 8, "inner_split": 2}, False),
+    (3, 130, 320, {"block_k": 128, "num_warps": 8, "inner_split": 2, "stream_k": 2}, True),
+    (16, 128, 512, {"block_r": 128, "block_k": 128, "num_warps": 8, "inner_split": 2}, False),
 )
 
 
@@ -100,6 +106,10 @@ def _group_mma() -> None:
     assert _error_ratio(y3[:, finite], x[0], w[finite], None) <= 1.0
     with pytest.raises(ValueError, match="block_k"):
         MmaConfig(block_k=96)
+    with pytest.raises(ValueError, match="inner split"):
+        MmaConfig(block_k=64, inner_split=2)
+    with pytest.raises(ValueError, match="num_warps"):
+        MmaConfig(num_warps=8)  # 64 rows, one group: 16 rows per warp at most
     print("mma ok")
 
 
@@ -155,10 +165,11 @@ def _group_sm90() -> None:
     sig = dict(ptrs) | dict.fromkeys(ints, "i32")
     names = _mma_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in sig if a not in ("M", "split")}
-    for stream in (False, True):  # the split-K and the stream-K grid
-        const = dict(BASE=110, HAS_BIAS=False, EVEN=True, PTX=True, BLOCK_R=128, BLOCK_K=256,
-                     BLOCK_M=16, ESC_STEP=32, ESCAPES=True, MAX_SPLIT=16, STREAM=stream,
-                     INTERPRET=False)  # fmt: skip
+    # the split-K and the stream-K grid; two warp groups on the halves of a 64-row tile's steps
+    for stream, rows, halves in ((False, 128, 1), (True, 128, 1), (False, 64, 2)):
+        const = dict(BASE=110, HAS_BIAS=False, EVEN=True, PTX=True, BLOCK_R=rows, BLOCK_K=256,
+                     HALVES=halves, BLOCK_M=16, ESC_STEP=32, ESCAPES=True, MAX_SPLIT=16,
+                     STREAM=stream, INTERPRET=False)  # fmt: skip
         src = ASTSource(_mma_kernel, sig | dict.fromkeys(const, "constexpr"), const, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ttgir = kernel.asm["ttgir"]
@@ -170,8 +181,8 @@ def _group_sm90() -> None:
         main = [ln for ln, k in zip(dots, k_of, strict=True) if k and int(k.group(2)) != 32]
         assert main, dots
         for ln in main:  # A from registers, not shared memory
-            assert "dot_op<{opIdx = 0" in ln.split("*")[0], (stream, ln)
-        assert "async_copy_global_to_local" in ttgir, stream  # the weight loads pipelined
+            assert "dot_op<{opIdx = 0" in ln.split("*")[0], (stream, halves, ln)
+        assert "async_copy_global_to_local" in ttgir, (stream, halves)  # the loads pipelined
         try:
             sass = kernel.asm["sass"]  # disassembled on first use (cuobjdump)
         except Exception:  # no disassembler in this Triton
@@ -181,7 +192,7 @@ def _group_sm90() -> None:
             # waits for "at most 7 in flight" after each, which does not serialize)
             waits = len(re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", sass))
             mmas = sass.count("HGMMA.")
-            assert mmas and waits * 3 < mmas, (stream, waits, mmas)
+            assert mmas and waits * 3 < mmas, (stream, halves, waits, mmas)
     print("sm90 ok")
 
 

@@ -33,6 +33,13 @@ accumulator, and the zeroed accumulator on the path that skips an empty K loop (
 ``tl.assume``). On the H100 this alone took the Llama-3-8B shapes from 0.89-1.12x to 1.05-1.14x
 cuBLAS at M = 16, same tiling (docs/figures/issue-26.md).
 
+Two warp groups per row tile (``MmaConfig.inner_split`` 2, ``HALVES``): the MMA takes the tile's
+rows twice, the second copy on the second half of every K step's columns, against x's tokens
+twice, the second copy read at that half, so ``acc [2 * BR, 2 * BM]`` holds the two halves' sums
+in its diagonal blocks (``_join_halves`` adds them after the loop). Each weight is still loaded
+and decoded once; the tile gets 8 warps at the shared memory of 4, for grids with fewer programs
+than SMs (one warp per scheduler otherwise), without the fp32 partials of a K split.
+
 Exactness: the decoded operand is bit for bit the bf16 weight (the placeholder at escapes), a
 bf16 product is exact in fp32, every product enters one fp32 sum once: the result differs from
 ``F.linear`` on the decoded weights only in the order of the fp32 additions (``w12_gemm``'s
@@ -117,53 +124,63 @@ def _quarter_ops(s, c, BASE: tl.constexpr, Q: tl.constexpr, INTERPRET: tl.conste
 
 
 @triton.jit
-def _x_quarter(x_ptrs, kq, m_ok, K, Q: tl.constexpr, EVEN: tl.constexpr):
-    """x^T's rows for quarter ``Q`` of the step's words: ``[W, BM]`` bf16, zero past M and K."""
+def _x_quarter(x_ptrs, kt, m_ok, K, Q: tl.constexpr, EVEN: tl.constexpr):
+    """x^T's rows for quarter ``Q`` of the step's words: ``[W, BM*H]`` bf16, zero past M and K
+    (``kt [W, BM*H]``: the column of quarter 0)."""
     if EVEN:
         return tl.load(x_ptrs + Q * _Q, mask=m_ok[None, :], other=0.0)
-    return tl.load(x_ptrs + Q * _Q, mask=m_ok[None, :] & (kq + Q * _Q < K)[:, None],
-                   other=0.0)  # fmt: skip
+    return tl.load(x_ptrs + Q * _Q, mask=m_ok[None, :] & (kt + Q * _Q < K), other=0.0)
 
 
 @triton.jit
 def _k_step(
     acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K, row_words,
     BASE: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_K`` step: load the words and x's four quarters, decode, four dots."""
-    W: tl.constexpr = BLOCK_K // 4
-    j = tl.arange(0, W)  # [W] word index in the step
-    kq = k0 + (j // _Q) * _GROUP + (j % _Q)  # [W] column of quarter 0 of word j
-    w_off = rows[:, None] * row_words + (k0 // 4 + j)[None, :]  # [BR, W]
+    """One ``BLOCK_K`` step: load the words and x's four quarters, decode, four dots. With
+    ``HALVES`` 2 the MMA's rows are the tile's rows twice (``rows [BR * H]``), the second copy on
+    the step's second half of columns, and its tokens are the tile's twice (``toks [BM * H]``),
+    the second copy reading x at that half: ``acc [BR * H, BM * H]``, whose diagonal blocks are
+    the two halves' partial sums (``_join_halves``)."""
+    BK: tl.constexpr = BLOCK_K // HALVES  # columns per half
+    W: tl.constexpr = BK // 4
+    j = tl.arange(0, W)  # [W] word index in the half step
+    r_half = (tl.arange(0, BLOCK_R * HALVES) // BLOCK_R) * BK  # [BR*H] the MMA row's column offset
+    t_half = (tl.arange(0, BLOCK_M * HALVES) // BLOCK_M) * BK  # [BM*H] the token's column offset
+    kq = (j // _Q) * _GROUP + (j % _Q)  # [W] column of quarter 0 of word j, from the half's start
+    w_off = rows[:, None] * row_words + ((k0 + r_half) // 4)[:, None] + j[None, :]  # [BR*H, W]
     if EVEN:
         s = tl.load(sm_ptr + w_off)
         c = tl.load(cb_ptr + w_off)
     else:  # a word is in range iff its group starts below k_hi (a multiple of 64)
-        w_mask = r_ok[:, None] & ((k0 + 4 * j) < k_hi)[None, :]
+        w_mask = r_ok[:, None] & ((k0 + r_half)[:, None] + 4 * j[None, :] < k_hi)
         s = tl.load(sm_ptr + w_off, mask=w_mask, other=0)
         c = tl.load(cb_ptr + w_off, mask=w_mask, other=0)
-    if PTX:  # one dot over the step: the quarters joined into [BR, BK] (column q * W + j)
-        base4 = tl.full((BLOCK_R, W), BASE * 0x01010101, tl.int32)
+    x_row = x_ptr + toks[None, :] * stride_xm + (k0 + t_half)[None, :]  # [1, BM*H]
+    if PTX:  # one dot over the step: the quarters joined into [BR*H, BK] (column q * W + j)
+        base4 = tl.full((BLOCK_R * HALVES, W), BASE * 0x01010101, tl.int32)
         w0, w1, w2, w3 = _decode_ptx(s, c, base4)
-        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [BR, W, 2, 2]: [r, j, i, h] quarter 2h+i
-        w_all = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_R, BLOCK_K))
-        cols = tl.arange(0, BLOCK_K)  # [BK] column q * W + j of w_all <-> x^T's row
+        wj = tl.join(tl.join(w0, w1), tl.join(w2, w3))  # [BR*H, W, 2, 2]: [r, j, i, h] quarter 2h+i
+        w_all = tl.reshape(tl.permute(wj, (0, 3, 2, 1)), (BLOCK_R * HALVES, BK))
+        cols = tl.arange(0, BK)  # [BK] column q * W + j of w_all <-> x^T's row
         jw = cols % W
-        ks = k0 + (jw // _Q) * _GROUP + (cols // W) * _Q + (jw % _Q)
+        ks = (jw // _Q) * _GROUP + (cols // W) * _Q + (jw % _Q)
         ks = tl.max_contiguous(tl.multiple_of(ks, 16), 16)  # runs of 16 columns
-        x_ptrs = x_ptr + toks[None, :] * stride_xm + ks[:, None]  # [BK, BM]: x^T
+        x_ptrs = x_row + ks[:, None]  # [BK, BM*H]: x^T
         if EVEN:
             x_all = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
-            x_all = tl.load(x_ptrs, mask=m_ok[None, :] & (ks < K)[:, None], other=0.0)
-        acc = tl.dot(w_all, x_all, acc)  # [BR, BM]
+            x_all = tl.load(x_ptrs, mask=m_ok[None, :] & ((k0 + t_half)[None, :] + ks[:, None] < K),
+                            other=0.0)  # fmt: skip
+        acc = tl.dot(w_all, x_all, acc)  # [BR*H, BM*H]
     else:
-        x_ptrs = x_ptr + toks[None, :] * stride_xm + kq[:, None]  # [W, BM]: x^T, quarter 0
-        x0 = _x_quarter(x_ptrs, kq, m_ok, K, 0, EVEN)
-        x1 = _x_quarter(x_ptrs, kq, m_ok, K, 1, EVEN)
-        x2 = _x_quarter(x_ptrs, kq, m_ok, K, 2, EVEN)
-        x3 = _x_quarter(x_ptrs, kq, m_ok, K, 3, EVEN)
+        x_ptrs = x_row + kq[:, None]  # [W, BM*H]: x^T, quarter 0
+        kt = (k0 + t_half)[None, :] + kq[:, None]  # [W, BM*H] column of quarter 0
+        x0 = _x_quarter(x_ptrs, kt, m_ok, K, 0, EVEN)
+        x1 = _x_quarter(x_ptrs, kt, m_ok, K, 1, EVEN)
+        x2 = _x_quarter(x_ptrs, kt, m_ok, K, 2, EVEN)
+        x3 = _x_quarter(x_ptrs, kt, m_ok, K, 3, EVEN)
         acc = tl.dot(_quarter_ops(s, c, BASE, 0, INTERPRET), _x_operand(x0, INTERPRET), acc)
         acc = tl.dot(_quarter_ops(s, c, BASE, 1, INTERPRET), _x_operand(x1, INTERPRET), acc)
         acc = tl.dot(_quarter_ops(s, c, BASE, 2, INTERPRET), _x_operand(x2, INTERPRET), acc)
@@ -172,10 +189,22 @@ def _k_step(
 
 
 @triton.jit
+def _join_halves(acc, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``acc [2 * BR, 2 * BM]`` of a two-half step -> ``[BR, BM]``: the first half's rows with the
+    first half's tokens plus the second's with the second's (the other two blocks are cross
+    terms, dropped); one fp32 addition per output, in a fixed order."""
+    a = tl.permute(tl.reshape(acc, (2, BLOCK_R, 2, BLOCK_M)), (1, 3, 0, 2))  # [BR, BM, h, g]
+    g0, g1 = tl.split(a)  # [BR, BM, h] with the first / second half's tokens
+    h0g0, _ = tl.split(g0)
+    _, h1g1 = tl.split(g1)
+    return h0g0 + h1g1
+
+
+@triton.jit
 def _segment(
     pid_n, pid_m, k_lo, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr, cb_ptr, lrec_ptr, lval_ptr,
     cap, row_words, BASE: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr,
     ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Tile ``(pid_n, pid_m)`` over the columns ``[k_lo, k_hi)``: ``acc [BM, BR]`` fp32 with the
@@ -184,7 +213,12 @@ def _segment(
     toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     r_ok = rows < N
     m_ok = toks < M
-    acc = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)  # y^T tile
+    # the MMA's rows and tokens: the tile's, once per half (_k_step)
+    rows_h = pid_n * BLOCK_R + tl.arange(0, BLOCK_R * HALVES) % BLOCK_R  # [BR*H]
+    toks_h = pid_m * BLOCK_M + tl.arange(0, BLOCK_M * HALVES) % BLOCK_M  # [BM*H]
+    r_ok_h = rows_h < N
+    m_ok_h = toks_h < M
+    acc = tl.zeros((BLOCK_R * HALVES, BLOCK_M * HALVES), dtype=tl.float32)  # y^T tile(s)
     length = (BLOCK_R // 64) * cap  # this tile's list: consecutive 64-row lists
     t_rec = lrec_ptr + pid_n * length
     t_val = lval_ptr + pid_n * length
@@ -194,8 +228,8 @@ def _segment(
         k0 = k_lo
         while k0 < k_hi:
             acc = _k_step(
-                acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K,
-                row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
+                acc, k0, k_hi, rows_h, toks_h, r_ok_h, m_ok_h, x_ptr, stride_xm, sm_ptr, cb_ptr,
+                K, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, HALVES, BLOCK_M, INTERPRET,
             )  # fmt: skip
             k0 += BLOCK_K
     else:  # a for loop, so that Triton software-pipelines the loads (num_stages)
@@ -205,9 +239,11 @@ def _segment(
         tl.assume(k_lo < k_hi)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             acc = _k_step(
-                acc, k0, k_hi, rows, toks, r_ok, m_ok, x_ptr, stride_xm, sm_ptr, cb_ptr, K,
-                row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, INTERPRET,
+                acc, k0, k_hi, rows_h, toks_h, r_ok_h, m_ok_h, x_ptr, stride_xm, sm_ptr, cb_ptr,
+                K, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, HALVES, BLOCK_M, INTERPRET,
             )  # fmt: skip
+    if HALVES == 2:
+        acc = _join_halves(acc, BLOCK_R, BLOCK_M)  # [BR, BM]
     if ESCAPES:  # remove the placeholders' products, then add the escaped weights'
         acc = apply_list(acc, idx, rec, val, cap, toks, m_ok, k_lo, k_hi, BASE, x_ptr, stride_xm,
                          BLOCK_R, INTERPRET)  # fmt: skip
@@ -237,7 +273,7 @@ def _mma_kernel(
     split,
     cap,  # entries per 64-row escape list
     BASE: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, PTX: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr, BLOCK_M: tl.constexpr,
     ESC_STEP: tl.constexpr, ESCAPES: tl.constexpr, MAX_SPLIT: tl.constexpr,
     STREAM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
@@ -256,7 +292,7 @@ def _mma_kernel(
             acc, rows, toks, r_ok, m_ok = _segment(
                 t % n_tiles, t // n_tiles, s_lo * BLOCK_K, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr,
                 cb_ptr, lrec_ptr, lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K,
-                BLOCK_M, ESC_STEP, ESCAPES, INTERPRET,
+                HALVES, BLOCK_M, ESC_STEP, ESCAPES, INTERPRET,
             )  # fmt: skip
             stream_store(
                 acc, t, s_lo, s_hi, steps_t, n_it, pid, n_prog, y_ptr, bias_ptr, part_ptr,
@@ -271,8 +307,8 @@ def _mma_kernel(
         k_hi = tl.minimum(k_lo + k_split, row_words * 4)
         acc, rows, toks, r_ok, m_ok = _segment(
             pid_n, pid_m, k_lo, k_hi, M, N, K, x_ptr, stride_xm, sm_ptr, cb_ptr, lrec_ptr,
-            lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, BLOCK_M, ESC_STEP,
-            ESCAPES, INTERPRET,
+            lval_ptr, cap, row_words, BASE, EVEN, PTX, BLOCK_R, BLOCK_K, HALVES, BLOCK_M,
+            ESC_STEP, ESCAPES, INTERPRET,
         )  # fmt: skip
         _store_tile(
             acc, y_ptr, y_ptr, bias_ptr, part_ptr, count_ptr, toks, rows, m_ok, r_ok, stride_ym,
@@ -336,7 +372,7 @@ def w12_mma(
         bias if bias is not None else x, y, part, counters,
         m, n, k, x.stride(0), y.stride(0), kp // 4, k_split, split, cap,
         BASE=w.base, HAS_BIAS=bias is not None, EVEN=even, PTX=ptx and not interpret,
-        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, BLOCK_M=bm,
+        BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, HALVES=cfg.inner_split, BLOCK_M=bm,
         ESC_STEP=min(length, 4 * cfg.block_r), ESCAPES=escapes and w.num_escapes > 0,
         MAX_SPLIT=MAX_SPLIT_K, STREAM=cfg.stream_k > 0, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -36,6 +36,11 @@ class MmaConfig:
     stream_k: int = 0
     """Programs per SM of a stream-K grid (``kernels/stream_k.py``: every SM streams the same
     number of K steps); 0: the split-K grid (``split_k``)."""
+    inner_split: int = 1
+    """Warp groups that share a row tile, each on its own half of every K step (1 or 2): two
+    give the tile's 64 rows 8 warps (the MMA runs ``2 * block_r`` rows by ``2 *`` the token
+    tile, whose two diagonal blocks are the halves' sums) with no fp32 partials in global
+    memory, for shapes whose grids leave one warp per scheduler."""
 
     def __post_init__(self) -> None:
         if self.block_r % 64 or self.block_r < 64:
@@ -44,7 +49,11 @@ class MmaConfig:
             raise ValueError(f"block_k must be a power of two >= 64, got {self.block_k}")
         if self.block_m not in (0, 16, 32, 64):
             raise ValueError(f"block_m must be 0, 16, 32 or 64, got {self.block_m}")
-        if self.num_warps * 16 > self.block_r or self.num_warps % 4:
+        if self.inner_split not in (1, 2):
+            raise ValueError(f"inner_split must be 1 or 2, got {self.inner_split}")
+        if self.block_k // self.inner_split < 64:
+            raise ValueError("each inner split needs a K step of at least 64 columns")
+        if self.num_warps * 16 > self.block_r * self.inner_split or self.num_warps % 4:
             raise ValueError("num_warps must be a multiple of 4 with 16 weight rows per warp")
         if not 0 <= self.split_k <= 16:
             raise ValueError(f"split_k must be in 0..16, got {self.split_k}")

@@ -45,6 +45,7 @@ class SearchRow:
     def winner(self) -> str:
         c = self.config
         tiling = f"r{c.block_r} k{c.block_k} w{c.num_warps} s{c.num_stages} split{c.split_k}"
+        tiling += f" halves{c.inner_split}" if c.inner_split > 1 else ""
         return f"agent offer {self.offer} (else {tiling})" if self.offer else tiling
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,7 +117,7 @@ class CompileBudget:
 def compile_key(cfg: MmaConfig, m: int, base: int) -> tuple[Any, ...]:
     """What a new Triton compile depends on (the kernel's constexprs; K splits are runtime)."""
     return (cfg.block_r, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.tokens(m), base,
-            cfg.stream_k > 0)  # fmt: skip
+            cfg.stream_k > 0, cfg.inner_split)  # fmt: skip
 
 
 def graph_time(calls: Sequence[Callable[[], Any]], device: torch.device, reps: int = 4) -> float:

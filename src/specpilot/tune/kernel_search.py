@@ -68,9 +68,14 @@ CANDIDATES = (
     MmaConfig(block_r=64, block_k=128, num_warps=4, num_stages=4),
     MmaConfig(block_r=128, block_k=256, num_warps=8, num_stages=3),
     MmaConfig(block_r=128, block_k=128, num_warps=8, num_stages=4),
+    MmaConfig(block_r=64, block_k=256, num_warps=8, num_stages=4, inner_split=2),
+    MmaConfig(block_r=64, block_k=512, num_warps=8, num_stages=2, inner_split=2),
 )
 """Tilings the search sweeps. Stream-K (``MmaConfig.stream_k``) is left out: on the H100 it ran
-15-30% slower than split-K on every Llama-3-8B shape (docs/figures/issue-26.md)."""
+15-30% slower than split-K on every Llama-3-8B shape (docs/figures/issue-26.md). The two
+``inner_split`` tilings give a 64-row tile 8 warps at the shared memory of 4 (sm_90 builds: 104
+and 80 KB, 80 and 128 registers): on the H200 the searched grids of qkv, o and down had fewer
+programs than SMs, one warp per scheduler (docs/figures/issue-26.md); not yet timed on a GPU."""
 SPLITS = (1, 2, 3, 4, 6, 8)
 STREAMS = (1, 2, 3, 4)
 """Programs per SM tried around a stream-K tiling (no new compile: only the grid changes)."""
