@@ -12,6 +12,9 @@
 #   tune      `specpilot tune` on the random 8B directory, then with simulated acceptance on
 #             the peaked one (τ 6.5, block 16: SIMULATED acceptance, labelled so in the report)
 #   tree      `specpilot tune` under an EAGLE-like simulated tree profile (peaked 8B)
+#   drafter   the block drafter's step with and without int8-drafter: `specpilot profile` of
+#             each (per-part cycle, SIMULATED acceptance τ 6.5, block 16), then `specpilot
+#             compare` of the two engines (peaked 8B)
 #   gate      `specpilot bench` with the n-gram drafter, gate on and off (mt-bench)
 #   serve     bench/serve_concurrency.py: `specpilot serve` at 1 / 4 / 16 concurrent clients
 #   latency   `specpilot bench --mode serve` against `specpilot serve` (SERVES="none:4 none:0 ngram:4",
@@ -51,7 +54,7 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 
 if has tests; then
   TAIL=20 step pytest_cuda ${TEST_LIMIT:-480} python3 -m pytest -q -p no:cacheprovider --durations=8 \
-    -k "cuda or graphs or gpu or hopper or ptx" tests/
+    -k "cuda or graphs or gpu or hopper or ptx or sm90" tests/
 fi
 has suite && TAIL=8 step suite 300 python3 bench/gpu_suite.py --out "$out/suite" --target-shape llama3-8b --no-hf --no-profile --no-k8 --verify-widths 1,16
 if has bench; then
@@ -74,6 +77,16 @@ fi
 if has tree; then
   hfdir $PEAKED_DIR
   TAIL=40 step tune_tree ${TUNE_LIMIT:-380} $SP tune $(dep $PEAKED_DIR) --drafter block --simulate-acceptance ${PROFILE:-rates=0.8,block=8,sibling=0.5} --prompts copy-heavy --limit 2 --max-new-tokens 128 --trials ${TRIALS:-2} --budget ${BUDGET:-270} --compare-limit 1 --rank-gaps static --out "$out/tune_tree" --memory "$out/mem.sqlite"
+fi
+if has drafter; then
+  hfdir $PEAKED_DIR
+  sim=${PROFILE:-tau=6.5,block=16}
+  for mech in none int8-drafter; do
+    m='{}'; [ $mech = none ] || m="{\"$mech\": {}}"
+    printf '{"deployment": {"target": "%s", "drafter": "block", "dtype": "bf16", "device": "cuda", "simulate_acceptance": "%s"}, "k": 15, "mechanisms": %s}\n' "$PEAKED_DIR" "$sim" "$m" > "$out/drafter_$mech.json"
+    TAIL=30 step "profile_$mech" 200 $SP profile --engine "$out/drafter_$mech.json" --prompts copy-heavy --limit 1 --max-new-tokens 96 --rounds 3 --json "$out/profile_$mech.json"
+  done
+  TAIL=12 step compare_drafter 240 $SP compare --engine "$out/drafter_int8-drafter.json" --stock "$out/drafter_none.json" --prompts copy-heavy --skip 0 --limit 2 --max-new-tokens 128 --rounds 3 --out "$out/compare_drafter.jsonl"
 fi
 if has gate; then
   hfdir $PEAKED_DIR
