@@ -142,6 +142,41 @@ def test_simulated_tree_tau_matches_the_profile(seed: int) -> None:
     ) == pytest.approx(1 + 0.8 + 0.8 * 0.5 + 0.1 + 0.1 * 0.5)
 
 
+def test_best_tree_tau_is_the_best_prefix_closed_tree() -> None:
+    """``best_tree_tau(n)`` against every prefix-closed set of n paths of ranks 0 / 1 (depth 3:
+    14 nodes), and the cap against the whole set; the tune's scope line quotes them."""
+    from itertools import combinations, product
+
+    from specpilot.commands.tune_scope import tree_ceiling
+
+    p = AcceptanceProfile((0.8, 0.6, 0.7), 0.5)
+    paths = [q for d in (1, 2, 3) for q in product((0, 1), repeat=d)]  # 14 nodes
+    hit = [(r, (1 - r) * 0.5) for r in p.rates]
+
+    def tau(chosen: tuple[tuple[int, ...], ...]) -> float:
+        total = 1.0
+        for q in chosen:
+            prob = 1.0
+            for d, rank in enumerate(q):
+                prob *= hit[d][rank]
+            total += prob
+        return total
+
+    for n in (1, 2, 3, 5, 8):
+        closed = (c for c in combinations(paths, n) if all(q[:-1] in c for q in c if len(q) > 1))
+        assert p.best_tree_tau(n) == pytest.approx(max(tau(c) for c in closed)), n
+    assert p.best_tree_tau() == pytest.approx(tau(tuple(paths)))
+    assert p.best_tree_tau(3) == pytest.approx(p.tau)  # three nodes: the chain is best here
+    assert p.best_tree_tau(100) == pytest.approx(p.best_tree_tau())
+    eagle = AcceptanceProfile.parse("rates=0.8,block=8,sibling=0.5")
+    assert eagle.best_tree_tau(48) >= eagle.tree_tau(
+        parse_tree("nodes=48,depth=7,width=7,branch=2")
+    )
+    (line,) = tree_ceiling("rates=0.8,block=8,sibling=0.5")
+    assert "τ 4.16" in line and "τ 5.70 (1.37x" in line
+    assert tree_ceiling("tau=6.5,block=16") == []  # no siblings: no tree beats the chain
+
+
 def test_ragged_trees_equal_ar() -> None:
     """Rows at τ 1.5 and 6 (simulated): the policy gives the uncertain rows the wide tree and the
     confident ones the chain in the same verify; tokens equal AR."""

@@ -49,8 +49,30 @@ def scope_notes(
             "for real, its proposals follow the profile, verification is real; the draft length "
             "and the drafter's knobs are fixed by the profile, so only mechanisms are searched."
         )
+        lines += tree_ceiling(base.deployment.simulate_acceptance)
     lines += [f"not searched: {s}" for s in skipped_mechanisms(base, device, arch)]
     return lines
+
+
+def tree_ceiling(profile_text: str) -> list[str]:
+    """What a simulated profile with siblings lets any tree reach (``AcceptanceProfile``'s
+    ``best_tree_tau``), before the wider verify's cost: one line, none without siblings."""
+    from specpilot.drafters.simulated import SIM_LABEL, AcceptanceProfile
+
+    p = AcceptanceProfile.parse(profile_text)
+    if p.p_sibling <= 0:
+        return []
+    chain = p.tau
+    best = ", ".join(
+        f"{n} nodes {p.best_tree_tau(n):.2f} ({p.best_tree_tau(n) / chain:.2f}x)"
+        for n in (16, 32, 64)
+    )
+    cap = p.best_tree_tau()
+    return [
+        f"Trees under this profile ({SIM_LABEL}): the chain's τ {chain:.2f}; the best tree of "
+        f"{best}; any tree at most τ {cap:.2f} ({cap / chain:.2f}x the chain's), before the cost "
+        "of its wider verify."
+    ]
 
 
 def profiled_gaps(

@@ -43,6 +43,7 @@ Every figure produced with this wrapper must be labelled ``SIM_LABEL``.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,6 +133,30 @@ class AcceptanceProfile:
             hit = r if rank == 0 else (1.0 - r) * self.p_sibling if rank == 1 else 0.0
             path.append(hit * (path[par] if par >= 0 else 1.0))
         return 1.0 + sum(path)
+
+    def best_tree_tau(self, nodes: int | None = None) -> float:
+        """The largest ``tree_tau`` of any tree of ``nodes`` nodes (its ``nodes`` likeliest paths
+        of ranks 0 / 1, prefixes first); None: every such path to depth k (the profile's cap)."""
+        hit = [(r, (1.0 - r) * self.p_sibling) for r in self.rates]  # [k] (rank 0, rank 1)
+        if nodes is None:
+            total, p = 1.0, 1.0
+            for h0, h1 in hit:
+                p *= h0 + h1
+                total += p
+            return total
+        heap = [(-h, 0) for h in hit[0] if h > 0]  # (-path probability, depth index)
+        heapq.heapify(heap)
+        total = 1.0
+        for _ in range(nodes):
+            if not heap:
+                break
+            neg, d = heapq.heappop(heap)
+            total -= neg
+            if d + 1 < self.k:
+                for h in hit[d + 1]:
+                    if h > 0:
+                        heapq.heappush(heap, (neg * h, d + 1))
+        return total
 
     @classmethod
     def parse(cls, text: str) -> AcceptanceProfile:
