@@ -32,9 +32,11 @@ Trees (``draft_candidates``, for the static tree verify): the inner drafter's re
 runs, then the candidates of each block position d are replaced. The first branch (rank 0) holds
 the target's true token wherever the chain schedule accepts (d before the cycle's miss), misses at
 the scheduled miss, and past it holds the true token with the profile's chain probability
-``rates[d]``, drawn independently; on a first-branch miss the true token is placed on the second
-branch (rank 1) with probability ``p_sibling``. Every other candidate is a wrong token. So a
-chain verify sees exactly the chain profile, and siblings can only add accepted tokens. Labels
+``rates[d]``; on a first-branch miss the true token is placed on the second branch (rank 1) with
+probability ``p_sibling`` (each position's two draws a Weyl sequence of its own step, so that over
+a run the depths behave as independent). Every other candidate is a wrong token. So a chain
+verify sees exactly the chain profile, siblings can only add accepted tokens, and a tree's τ is
+``AcceptanceProfile.tree_tau`` (``best_tree_tau``: the most any tree of a size can reach). Labels
 name ``p_sibling`` beside the profile; a profile text may carry it (``tau=6.5,block=16,
 sibling=0.5``), so that the commands' ``--simulate-acceptance`` can time trees too.
 
