@@ -30,6 +30,13 @@ def test_tilings_lookup_and_json() -> None:
     assert t.config(16, 4096, 4096) == DEFAULT_TILINGS.config(16, 4096, 4096)
     back = MmaTilings.from_json(json.loads(json.dumps(t.to_json())))
     assert back.by_shape == t.by_shape and back.source == "search abc"
+    halves = MmaTilings(by_shape={(4096, 4096, 1): MmaConfig(num_warps=8, inner_split=2)})
+    assert MmaTilings.from_json(json.loads(json.dumps(halves.to_json()))).by_shape == {
+        (4096, 4096, 1): MmaConfig(num_warps=8, inner_split=2)
+    }
+    old = {"by_shape": [[64, 128, 1, {"block_r": 64, "block_k": 256, "num_warps": 4,
+                                      "num_stages": 3, "split_k": 0}]]}  # fmt: skip
+    assert MmaTilings.from_json(old).config(1, 64, 128).inner_split == 1  # rows stored before it
     with pytest.raises(ValueError, match="block_r"):
         MmaConfig(block_r=32)
     with pytest.raises(ValueError, match="num_warps"):
