@@ -79,6 +79,49 @@ def test_compile_budget_refuses_what_would_overrun() -> None:
     assert not b.fits(other) and b.estimate(other) == pytest.approx(20.4)
 
 
+def test_a_tiling_that_fails_to_build_is_left_out_with_a_note(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A swept tiling whose build raises (say Triton out of resources on a new GPU) costs a note,
+    not the tune; the default raising, or a fault on the device, still stops the search (the
+    check and the timer are stand-ins: no GPU here, not a measurement)."""
+    import types
+
+    import specpilot.tune.kernel_search as ks
+
+    bad = MmaConfig(block_r=64, block_k=256, num_warps=8, num_stages=4, inner_split=2)
+    fault = MmaConfig(block_r=64, block_k=128, num_warps=4, num_stages=4)
+    raising = {bad: RuntimeError("out of resource: shared memory")}
+
+    def check(cfg: MmaConfig, *a: object) -> str | None:
+        if cfg in raising:
+            raise raising[cfg]
+        return "decode not bit-exact" if cfg == fault else None
+
+    monkeypatch.setattr(ks, "check", check)
+    monkeypatch.setattr(ks, "graph_time", lambda calls, device, reps=4: 1e-6)
+    monkeypatch.setattr(ks, "split_variants", lambda *a, **k: [])
+    monkeypatch.setattr(ks, "CANDIDATES", (bad, fault, MmaConfig(num_stages=3)))
+    w = torch.zeros(64, 256, dtype=torch.bfloat16)
+    w12 = types.SimpleNamespace(base=110, padded_k=256)
+    cpu = torch.device("cpu")
+    notes: list[str] = []
+    row = ks._search_cell([w], [w12], [torch.zeros(4)], 1, CompileBudget(60.0), cpu, 1, None, notes)
+    assert row.tried == 4 and row.config in (
+        MmaConfig(num_stages=3),
+        DEFAULT_TILINGS.config(1, 64, 256),
+    )
+    assert any("tiling" in n and "out of resource" in n and "not timed" in n for n in notes), notes
+    assert any("decode not bit-exact" in n for n in notes), notes  # a wrong tiling is named too
+    raising[DEFAULT_TILINGS.config(1, 64, 256)] = RuntimeError("out of resource")
+    with pytest.raises(RuntimeError):  # the fallback itself must run
+        ks._search_cell([w], [w12], [torch.zeros(4)], 1, CompileBudget(60.0), cpu, 1, None, [])
+    del raising[DEFAULT_TILINGS.config(1, 64, 256)]
+    raising[bad] = RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+    with pytest.raises(RuntimeError, match="illegal"):  # the device cannot be trusted after it
+        ks._search_cell([w], [w12], [torch.zeros(4)], 1, CompileBudget(60.0), cpu, 1, None, [])
+
+
 def test_build_estimates_stop_a_candidate_that_would_overrun() -> None:
     dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16")
     fused = EngineConfig(deployment=dep, k=15, mechanisms={"fused-gemv": {"block_n": 16}})

@@ -135,12 +135,15 @@ def _search_cell(
             why = check(offers[cfg], weights[0], w12s[0], own[0], m) if isinstance(cfg, str) else check(cfg, weights[0], w12s[0], counters[0], m)  # fmt: skip
             if why is None:
                 timed[cfg] = graph_time(calls(cfg), device)
-        except Exception as e:  # an agent kernel that raises here is left out, never fatal
-            if not isinstance(cfg, str):
+        except Exception as e:  # an agent kernel or a tiling that fails to build or launch
+            # is left out with a note; not the default (the fallback must run), nor a fault on
+            # the device, after which nothing on it can be trusted
+            if cfg == default or "CUDA" in str(e) or "illegal" in str(e):
                 raise
             why = f"{type(e).__name__}: {e}"[:200]
-        if why is not None and isinstance(cfg, str) and notes is not None:
-            notes.append(f"offer {cfg} at {n}x{k} M={m}: {why}; not timed")
+        if why is not None and notes is not None:
+            name = f"offer {cfg}" if isinstance(cfg, str) else f"tiling {cfg}"
+            notes.append(f"{name} at {n}x{k} M={m}: {why}; not timed")
         budget.compiled_now(key, time.perf_counter() - t0)
 
     attempt(default)
