@@ -154,6 +154,14 @@ def test_w12_is_tried_at_the_verify_width_right_after_its_defaults(kind):
         first = make_explorer(w12, 0, kind).propose(base, 2)
         knobs = [p.config.mechanisms["w12"] for p in first]
         assert [(c["kernel"], c["max_m"]) for c in knobs] == [("table", 1), ("mma", width)]
+    # once a 48-node tree is the best, the seed lands on it at the tree's verify width
+    base = EngineConfig(deployment=dep, k=7)
+    tree = {"depth": 16, "width": 7, "branch": 2, "max_nodes": 48}
+    best = dataclasses.replace(base, mechanisms={"tree-verify": tree})
+    w12 = next(d for d in directions_for(base, "cuda", "llama") if d.name == "mechanism:w12")
+    on_tree = make_explorer(w12, 0, kind).propose(best, 2)
+    assert [p.config.mechanisms["w12"]["max_m"] for p in on_tree] == [1, 49]
+    assert all(p.config.mechanisms["tree-verify"] == tree for p in on_tree)
     ar = EngineConfig(deployment=DeploymentSpec(target="t", drafter="none", dtype="bf16"), k=0)
     w12 = next(d for d in directions_for(ar, "cuda", "llama") if d.name == "mechanism:w12")
     assert w12.seeds == ()  # plain AR runs width 1: the default is its width

@@ -124,6 +124,12 @@ def early_exit_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(1, round(num_layers * f)), num_layers - 1) for f in fracs}))
 
 
+def verify_width(cfg: EngineConfig) -> int:
+    """Rows a verify of ``cfg`` runs at most: ``k + 1``, or a static tree's ``1 + max_nodes``."""
+    tree = cfg.mechanisms.get("tree-verify")
+    return max(cfg.k + 1, 1 + int(tree["max_nodes"]) if tree and "max_nodes" in tree else 0)
+
+
 def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Direction:
     """A mechanism's knobs; with ``Mechanism.joint_k`` and a drafting deployment the draft
     length too, for the base's drafter (another drafter a later best switched to, e.g. a DFlash
@@ -131,12 +137,17 @@ def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Directio
     mech = MECHANISMS[name]
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
     joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
+    width_seed = None
     if mech.width_seed is not None and base.deployment.drafter != "none" and base.k > 0:
-        seeds += (mech.resolve_knobs(mech.width_seed(base.k + 1)),)
+        width_seed = mech.resolve_knobs(mech.width_seed(verify_width(base)))
+        seeds += (width_seed,)
     params = mech.knobs + ((Knob("k", min(base.k, 16), low=1, high=16),) if joint else ())
 
     def derive(cfg: EngineConfig, p: dict[str, Any]) -> EngineConfig:
         knobs = {n: v for n, v in p.items() if n != "k"}
+        if width_seed is not None and knobs == width_seed and mech.width_seed is not None:
+            # the width seed on a config that verifies wider (a tree won): its width, not base's
+            knobs = mech.resolve_knobs(mech.width_seed(verify_width(cfg)))
         same = cfg.deployment.drafter == base.deployment.drafter
         k = int(p["k"]) if joint and same and "k" in p else cfg.k
         return dataclasses.replace(cfg, k=k, mechanisms={**cfg.mechanisms, name: knobs})
