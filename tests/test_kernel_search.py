@@ -122,6 +122,45 @@ def test_a_tiling_that_fails_to_build_is_left_out_with_a_note(
         ks._search_cell([w], [w12], [torch.zeros(4)], 1, CompileBudget(60.0), cpu, 1, None, [])
 
 
+def test_search_covers_the_tree_widths_after_every_shape_at_the_chain_widths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The tune's widths: 1, k + 1, then the tree seeds' verify widths where trees are searched;
+    the search takes every shape at a width before any shape at the next, so a budget that runs
+    out leaves the widest cells at their defaults (stand-ins for the cell's search: no GPU)."""
+    import specpilot.tune.kernel_search as ks
+    from specpilot.tune.kernel_measure import SearchRow
+
+    assert ks.search_widths(7, {"mechanism:w12"}, "cuda") == [1, 8]
+    assert ks.search_widths(7, {"mechanism:w12", "mechanism:tree-verify"}, "cuda") == [
+        1,
+        8,
+        25,
+        33,
+        49,
+    ]
+    cells: list[tuple[int, int, int]] = []
+
+    def cell(ws: list, w12s: list, counters: list, m: int, *a: object) -> SearchRow:
+        n, k = ws[0].shape
+        cells.append((n, k, m))
+        return SearchRow((n, k), m, MmaConfig(), 1.0, 1.0, 1.0, 1, 0)
+
+    monkeypatch.setattr(ks, "_search_cell", cell)
+    g = torch.Generator().manual_seed(0)
+    mats = {(64, 64): [torch.randn(64, 64, generator=g).to(torch.bfloat16)],
+            (128, 64): [torch.randn(128, 64, generator=g).to(torch.bfloat16)]}  # fmt: skip
+    ks.search_w12_mma(mats, [1, 8, 49], torch.device("cpu"), 600.0, None, log=lambda m: None)
+    assert cells == [
+        (64, 64, 1),
+        (128, 64, 1),
+        (64, 64, 8),
+        (128, 64, 8),
+        (64, 64, 64),
+        (128, 64, 64),
+    ]
+
+
 def test_build_estimates_stop_a_candidate_that_would_overrun() -> None:
     dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16")
     fused = EngineConfig(deployment=dep, k=15, mechanisms={"fused-gemv": {"block_n": 16}})

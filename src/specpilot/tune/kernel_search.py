@@ -239,16 +239,19 @@ def search_w12_mma(
     t_start = time.perf_counter()
     gpu = gpu_fingerprint(device)
     budget = CompileBudget(budget_s)
-    buckets = sorted({bucket(min(max(1, w), 64)) for w in widths})
+    buckets = list(dict.fromkeys(bucket(min(max(1, w), 64)) for w in widths))  # in order given
     known = store.tilings(gpu["key"], KERNEL) if store is not None else {}
     result = KernelSearch(tilings=DEFAULT_TILINGS, gpu=gpu)
     by_shape: dict[tuple[int, int, int], MmaConfig] = {}
     checks = sorted({*buckets, *(min(max(1, w), 64) for w in widths)})  # the offers' re-checks
     agents = OfferCandidates.make(offers, store, gpu["key"], device, checks, result.notes)
-    for (n, k), ws in matrices.items():
-        w12s = [encode(w, "v4") for w in ws]
-        counters = [counter_buffer(n, device) for _ in ws]
-        for m in buckets:
+    encoded = {
+        shape: ([encode(w, "v4") for w in ws], [counter_buffer(shape[0], device) for _ in ws])
+        for shape, ws in matrices.items()
+    }
+    for m in buckets:  # every shape at the first width before any at the next (the budget)
+        for (n, k), ws in matrices.items():
+            w12s, counters = encoded[(n, k)]
             t0 = time.perf_counter()
             hit = known.get((n, k, m))
             row = None if hit is None else _reuse_cell(hit, ws, w12s, counters, m, device, agents, budget.left, result.notes)  # fmt: skip
@@ -315,7 +318,7 @@ def search_for_tune(
         return None, 0.0
     t0 = time.perf_counter()
     print(f"kernel search: W12 tensor-core tilings, {budget:.0f}s ...", flush=True)
-    matrices, widths = target_matrices(executor.evaluator.stock.model), (1, base.k + 1)
+    matrices, widths = target_matrices(executor.evaluator.stock.model), search_widths(base.k, names, device.type)  # fmt: skip
     if kernel_agent is not None:
         kernel_agent(matrices, widths, 0.5 * budget)
         budget = max(budget - (time.perf_counter() - t0), 0.0)
@@ -332,6 +335,21 @@ def search_for_tune(
     if result.offers is not None:
         kernels["w12_offers"] = result.offers.to_json()
     return kernels, time.perf_counter() - t0
+
+
+def search_widths(k: int, directions: set[str], device_type: str) -> list[int]:
+    """The widths a tune's search covers, first first (the budget may end before the last): AR's
+    1, the chain verify's ``k + 1``, then the verify widths of the trees a tune tries first (the
+    defaults and seeds of ``tree-verify``, where trees are searched: ``1 + max_nodes``, at most
+    64)."""
+    widths = [1, k + 1]
+    if "mechanism:tree-verify" in directions:
+        from specpilot.mechanisms import MECHANISMS
+
+        tree = MECHANISMS["tree-verify"]
+        tried = (tree.resolve_knobs({}), *tree.seeds.get(device_type, ()))  # its first trials
+        widths += sorted({min(1 + int(s["max_nodes"]), 64) for s in tried if "max_nodes" in s})
+    return widths
 
 
 def target_matrices(model: Any, copies: int = 4) -> dict[tuple[int, int], list[Tensor]]:
@@ -355,6 +373,7 @@ __all__ = [
     "check",
     "search_for_tune",
     "search_w12_mma",
+    "search_widths",
     "split_variants",
     "target_matrices",
 ]
