@@ -177,6 +177,28 @@ def test_best_tree_tau_is_the_best_prefix_closed_tree() -> None:
     assert tree_ceiling("tau=6.5,block=16") == []  # no siblings: no tree beats the chain
 
 
+def test_trees_are_screened_out_where_no_second_choice_is_ever_right() -> None:
+    """A simulated profile without siblings: every tree commits what the chain does (its best
+    tree is the chain), so the tune does not spend trials on them; with siblings, or with real
+    acceptance, it does."""
+    from specpilot.engine.config import EngineConfig
+    from specpilot.engine.deployment import DeploymentSpec
+    from specpilot.tune.space import directions_for, skipped_mechanisms
+
+    def names(sim: str | None) -> tuple[set[str], list[str]]:
+        dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16",
+                             simulate_acceptance=sim)  # fmt: skip
+        base = EngineConfig(deployment=dep, k=15)
+        return {d.name for d in directions_for(base, "cuda", "llama")}, skipped_mechanisms(base, "cuda", "llama")  # fmt: skip
+
+    plain, skipped = names("tau=6.5,block=16")
+    assert "mechanism:tree-verify" not in plain
+    assert any(s.startswith("tree-verify: the simulated profile never") for s in skipped), skipped
+    assert AcceptanceProfile.parse("tau=6.5,block=16").best_tree_tau(48) == pytest.approx(6.5)
+    for sim in ("tau=6.5,block=16,sibling=0.5", None):
+        assert "mechanism:tree-verify" in names(sim)[0], sim
+
+
 def test_ragged_trees_equal_ar() -> None:
     """Rows at τ 1.5 and 6 (simulated): the policy gives the uncertain rows the wide tree and the
     confident ones the chain in the same verify; tokens equal AR."""

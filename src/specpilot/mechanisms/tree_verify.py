@@ -28,7 +28,7 @@ from specpilot.drafters.static_tree import StaticTree, build_static_tree
 from specpilot.drafters.tree import TreeShape
 from specpilot.engine.tree_policy import FixedTree, RaggedTrees
 from specpilot.errors import SpecPilotError
-from specpilot.mechanisms.registry import Applicability, Knob, Mechanism
+from specpilot.mechanisms.registry import Applicability, ConfigView, Knob, Mechanism
 
 if TYPE_CHECKING:
     from specpilot.mechanisms.parts import EngineParts
@@ -111,6 +111,22 @@ shape, EAGLE-like simulated profile: 48 nodes 1.298×, 32 nodes 1.248× the chai
 to the drafter's k): a verify there costs nearly the same at 1 + 48 tokens as at 1 + k, so wider
 trees are nearly free. Not seeded on the CPU, where a verify's cost grows with its tokens."""
 
+
+def _screen(config: ConfigView) -> str | None:
+    """Under a simulated profile whose second choices are never right (no ``sibling``), every
+    tree commits what the chain does (``AcceptanceProfile.best_tree_tau`` is the chain's τ) for a
+    wider verify; None otherwise (real acceptance: the trial measures)."""
+    from specpilot.drafters.simulated import AcceptanceProfile
+
+    text = config.deployment.simulate_acceptance
+    if text is None or AcceptanceProfile.parse(text).p_sibling > 0:
+        return None
+    return (
+        "the simulated profile never makes a second choice right (no sibling=): every tree "
+        "commits what the chain does, for a wider verify"
+    )
+
+
 MECHANISM = Mechanism(
     name="tree-verify",
     component="verify",
@@ -123,6 +139,7 @@ MECHANISM = Mechanism(
     ),
     summary="Verify a draft tree per row in one forward (tree mask), commit its longest path",
     seeds=TREE_SEEDS,
+    screen=_screen,
 )
 
 RAGGED_TREES = Mechanism(
