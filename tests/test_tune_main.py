@@ -141,10 +141,10 @@ def test_tree_verify_is_seeded_with_the_measured_trees_on_cuda_only():
 
 
 @pytest.mark.parametrize("kind", ["local", "tpe"])
-def test_w12_is_tried_at_the_verify_width_right_after_its_defaults(kind):
-    """W12's default serves width 1 only (max_m 1): a drafting deployment also measures the
-    tensor-core kernel at k + 1 rows, the width its verify runs at (the 2026-12-05 tunes on the
-    H200 tried max_m 1 and 2 only, with k 15 and 7)."""
+def test_w12_is_tried_at_the_verify_width_first(kind):
+    """W12's default serves width 1 only (max_m 1): a drafting deployment first measures the
+    tensor-core kernel at k + 1 rows, the width its verify runs at, then the default (the
+    2026-12-05 tunes on the H200 tried max_m 1 and 2 only, with k 15 and 7)."""
     if kind == "tpe":
         pytest.importorskip("optuna")
     dep = DeploymentSpec(target="t", drafter="block", device="cuda", dtype="bf16")
@@ -153,14 +153,14 @@ def test_w12_is_tried_at_the_verify_width_right_after_its_defaults(kind):
         w12 = next(d for d in directions_for(base, "cuda", "llama") if d.name == "mechanism:w12")
         first = make_explorer(w12, 0, kind).propose(base, 2)
         knobs = [p.config.mechanisms["w12"] for p in first]
-        assert [(c["kernel"], c["max_m"]) for c in knobs] == [("table", 1), ("mma", width)]
+        assert [(c["kernel"], c["max_m"]) for c in knobs] == [("mma", width), ("table", 1)]
     # once a 48-node tree is the best, the seed lands on it at the tree's verify width
     base = EngineConfig(deployment=dep, k=7)
     tree = {"depth": 16, "width": 7, "branch": 2, "max_nodes": 48}
     best = dataclasses.replace(base, mechanisms={"tree-verify": tree})
     w12 = next(d for d in directions_for(base, "cuda", "llama") if d.name == "mechanism:w12")
     on_tree = make_explorer(w12, 0, kind).propose(best, 2)
-    assert [p.config.mechanisms["w12"]["max_m"] for p in on_tree] == [1, 49]
+    assert [p.config.mechanisms["w12"]["max_m"] for p in on_tree] == [49, 1]
     assert all(p.config.mechanisms["tree-verify"] == tree for p in on_tree)
     ar = EngineConfig(deployment=DeploymentSpec(target="t", drafter="none", dtype="bf16"), k=0)
     w12 = next(d for d in directions_for(ar, "cuda", "llama") if d.name == "mechanism:w12")

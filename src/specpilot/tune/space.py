@@ -138,10 +138,14 @@ def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Directio
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
     joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
     width_seed = None
+    knobs = mech.knobs
     if mech.width_seed is not None and base.deployment.drafter != "none" and base.k > 0:
+        # a drafting deployment verifies k + 1 rows a cycle: the width seed is its first trial,
+        # the registry's defaults (a kernel for width 1: the gate's AR steps) come after it
         width_seed = mech.resolve_knobs(mech.width_seed(verify_width(base)))
-        seeds += (width_seed,)
-    params = mech.knobs + ((Knob("k", min(base.k, 16), low=1, high=16),) if joint else ())
+        seeds = (mech.resolve_knobs({}), *seeds)
+        knobs = tuple(dataclasses.replace(kn, default=width_seed[kn.name]) for kn in knobs)
+    params = knobs + ((Knob("k", min(base.k, 16), low=1, high=16),) if joint else ())
 
     def derive(cfg: EngineConfig, p: dict[str, Any]) -> EngineConfig:
         knobs = {n: v for n, v in p.items() if n != "k"}
