@@ -167,6 +167,26 @@ def test_w12_is_tried_at_the_verify_width_first(kind):
     assert w12.seeds == ()  # plain AR runs width 1: the default is its width
 
 
+def test_a_simulated_profile_fixes_k_for_joint_mechanisms(tmp_path):
+    """gguf-blocks searches k with its knobs, except where a simulated profile fixes the draft
+    length (a trial at another k failed: 'the profile has 7 draft positions')."""
+    pytest.importorskip("numba")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")  # the screen reads the path's suffix only
+    dep = DeploymentSpec(target=str(gguf), drafter="ngram", device="cpu", dtype="fp32")
+    real = EngineConfig(deployment=dep, k=7)
+    sim = EngineConfig(
+        deployment=dataclasses.replace(dep, simulate_acceptance="tau=3,block=8"), k=7
+    )
+    for base, joint in ((real, True), (sim, False)):
+        gguf = next(
+            d for d in directions_for(base, "cpu", "llama") if d.name == "mechanism:gguf-blocks"
+        )
+        assert ("k" in {p.name for p in gguf.params}) == joint
+        ks = {p.config.k for p in make_explorer(gguf, 0, "local").propose(base, 6)}
+        assert ks == {7} if not joint else len(ks) > 1, ks
+
+
 def test_a_seed_with_an_unknown_knob_is_refused_at_registration():
     from specpilot.mechanisms.registry import Mechanism
 

@@ -136,7 +136,9 @@ def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Directio
     block whose length is fixed, keeps its ``k``)."""
     mech = MECHANISMS[name]
     seeds = tuple(mech.resolve_knobs(s) for s in mech.seeds.get(device, ()))
-    joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0
+    # a simulated profile fixes the draft length (its block): no joint k there
+    fixed_k = base.deployment.simulate_acceptance is not None
+    joint = mech.joint_k and base.deployment.drafter != "none" and base.k > 0 and not fixed_k
     width_seed = None
     knobs = mech.knobs
     if mech.width_seed is not None and base.deployment.drafter != "none" and base.k > 0:
