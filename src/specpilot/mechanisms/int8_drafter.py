@@ -99,10 +99,9 @@ MECHANISM = Mechanism(
         Knob(
             "max_m",
             64,
-            low=1,
-            high=64,
-            doc="rows per call up to which the INT8 kernel runs; more rows (prefill) use the "
-            "bf16 weights",
+            choices=(16, 64, 256),
+            doc="rows per call up to which the INT8 kernel runs (a block drafter's step: block "
+            "rows per request); more rows (prefill) use the bf16 weights",
         ),
     ),
     applies=Applicability(devices=("cuda",), dtypes=("bf16", "bfloat16"), drafters=DRAFTERS),
