@@ -63,10 +63,8 @@ def tree_ceiling(profile_text: str) -> list[str]:
     if p.p_sibling <= 0:
         return []
     chain = p.tau
-    best = ", ".join(
-        f"{n} nodes {p.best_tree_tau(n):.2f} ({p.best_tree_tau(n) / chain:.2f}x)"
-        for n in (16, 32, 64)
-    )
+    taus = {n: p.best_tree_tau(n) for n in (16, 32, 64)}
+    best = ", ".join(f"{n} nodes {t:.2f} ({t / chain:.2f}x)" for n, t in taus.items())
     cap = p.best_tree_tau()
     return [
         f"Trees under this profile ({SIM_LABEL}): the chain's τ {chain:.2f}; the best tree of "

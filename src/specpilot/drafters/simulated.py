@@ -124,22 +124,26 @@ class AcceptanceProfile:
         """Expected committed tokens per cycle, bonus included."""
         return 1.0 + sum(self.survival())
 
+    def rank_hits(self) -> list[tuple[float, float]]:
+        """Per depth, P(the rank-0 candidate is right), P(rank 1 is right): ``rates[d]`` and
+        ``(1 - rates[d]) * p_sibling``; other ranks are never right, depths are independent."""
+        return [(r, (1.0 - r) * self.p_sibling) for r in self.rates]
+
     def tree_tau(self, tree: StaticTree) -> float:
         """Expected committed tokens per cycle (bonus included) of a static tree under this
-        profile: at depth d the rank-0 candidate is right with ``rates[d]``, rank 1 with
-        ``(1 - rates[d]) * p_sibling``, other ranks never, independently per depth; a node is
-        accepted when its whole path is right, so τ = 1 + the sum of the nodes' path products."""
+        profile (``rank_hits``): a node is accepted when its whole path is right, so τ = 1 + the
+        sum of the nodes' path products."""
+        hit = self.rank_hits()
         path: list[float] = []
         for par, dep, rank in zip(tree.parents, tree.depths, tree.ranks, strict=True):
-            r = self.rates[dep - 1] if dep <= self.k else 0.0
-            hit = r if rank == 0 else (1.0 - r) * self.p_sibling if rank == 1 else 0.0
-            path.append(hit * (path[par] if par >= 0 else 1.0))
+            p = hit[dep - 1][rank] if dep <= self.k and rank < 2 else 0.0
+            path.append(p * (path[par] if par >= 0 else 1.0))
         return 1.0 + sum(path)
 
     def best_tree_tau(self, nodes: int | None = None) -> float:
         """The largest ``tree_tau`` of any tree of ``nodes`` nodes (its ``nodes`` likeliest paths
         of ranks 0 / 1, prefixes first); None: every such path to depth k (the profile's cap)."""
-        hit = [(r, (1.0 - r) * self.p_sibling) for r in self.rates]  # [k] (rank 0, rank 1)
+        hit = self.rank_hits()  # [k] (rank 0, rank 1)
         if nodes is None:
             total, p = 1.0, 1.0
             for h0, h1 in hit:

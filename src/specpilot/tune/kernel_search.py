@@ -345,10 +345,11 @@ def search_widths(k: int, directions: set[str], device_type: str) -> list[int]:
     widths = [1, k + 1]
     if "mechanism:tree-verify" in directions:
         from specpilot.mechanisms import MECHANISMS
+        from specpilot.tune.space import tree_width
 
         tree = MECHANISMS["tree-verify"]
         tried = (tree.resolve_knobs({}), *tree.seeds.get(device_type, ()))  # its first trials
-        widths += sorted({min(1 + int(s["max_nodes"]), 64) for s in tried if "max_nodes" in s})
+        widths += sorted({min(tree_width(s), 64) for s in tried if "max_nodes" in s})
     return widths
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,10 +124,14 @@ def early_exit_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({min(max(1, round(num_layers * f)), num_layers - 1) for f in fracs}))
 
 
+def tree_width(knobs: Mapping[str, Any] | None) -> int:
+    """Rows a ``tree-verify`` with these knobs verifies: ``1 + max_nodes`` (0 without a tree)."""
+    return 1 + int(knobs["max_nodes"]) if knobs and "max_nodes" in knobs else 0
+
+
 def verify_width(cfg: EngineConfig) -> int:
     """Rows a verify of ``cfg`` runs at most: ``k + 1``, or a static tree's ``1 + max_nodes``."""
-    tree = cfg.mechanisms.get("tree-verify")
-    return max(cfg.k + 1, 1 + int(tree["max_nodes"]) if tree and "max_nodes" in tree else 0)
+    return max(cfg.k + 1, tree_width(cfg.mechanisms.get("tree-verify")))
 
 
 def _mechanism_direction(name: str, device: str, base: EngineConfig) -> Direction:
